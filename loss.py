@@ -1,0 +1,190 @@
+"""The GRPO objective: per-token log-probs and entropy, KL estimators, loss aggregation and the
+clipped policy-gradient surrogate.
+
+Shapes: B sequences (prompts x samples), T response tokens, V vocabulary entries. `mask` is 1 on
+response tokens that count and 0 on padding. Log-probabilities are in nats.
+
+Each function states its formula; the definitions follow verl's `core_algos.py` so that numbers
+from the two codebases can be compared directly.
+"""
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Log-probabilities and entropy from logits
+
+
+class _ChunkedTokenLogProb(torch.autograd.Function):
+    """log softmax(z / temp)[label], computed one chunk of rows at a time.
+
+    The plain `log_softmax(logits.float(), -1).gather(...)` keeps a full fp32 [B, T, V] copy alive
+    for the backward pass: for a 150k vocabulary that is far larger than the model's activations.
+    Here forward keeps only the per-row logsumexp [B*T], and backward recomputes softmax chunk by
+    chunk from the logits tensor the model already holds.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_rows):
+        flat = logits.reshape(-1, logits.shape[-1])  # [N, V], a view, no copy
+        flat_labels = labels.reshape(-1)  # [N]
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32
+        logp = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(logp)
+        for s in range(0, flat.shape[0], chunk_rows):
+            z = flat[s : s + chunk_rows].to(dtype) / temperature  # [c, V], freed after the loop
+            lse[s : s + chunk_rows] = torch.logsumexp(z, dim=-1)
+            chosen = z.gather(-1, flat_labels[s : s + chunk_rows, None]).squeeze(-1)
+            logp[s : s + chunk_rows] = chosen - lse[s : s + chunk_rows]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return logp.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        # d logp / d z_j = (1[j == label] - softmax(z / temp)_j) / temp
+        logits, labels, lse = ctx.saved_tensors
+        temp, chunk = ctx.temperature, ctx.chunk_rows
+        flat = logits.reshape(-1, logits.shape[-1])
+        flat_labels, g_out = labels.reshape(-1), grad_logp.reshape(-1).to(lse.dtype)
+        grad = torch.empty_like(flat)
+        for s in range(0, flat.shape[0], chunk):
+            probs = torch.exp(flat[s : s + chunk].to(lse.dtype) / temp - lse[s : s + chunk, None])  # [c, V]
+            g = probs.mul_(-g_out[s : s + chunk, None])
+            g.scatter_add_(-1, flat_labels[s : s + chunk, None], g_out[s : s + chunk, None])
+            grad[s : s + chunk] = g.div_(temp)
+        return grad.view_as(logits), None, None, None
+
+
+def logprobs_from_logits(logits, labels, temperature=1.0, chunk_rows=1024):
+    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
+
+    logits [B, T, V] (any float dtype), labels [B, T] int64 -> [B, T] nats, fp32 (fp64 for fp64 logits).
+    Computed in at least fp32 one chunk of `chunk_rows` rows at a time, so memory beyond the logits is
+    O(chunk_rows * V), with or without autograd. Pass the sampling temperature so these
+    log-probs match the ones the rollout engine sampled with.
+    """
+    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_rows))
+
+
+def entropy_from_logits(logits, chunk_rows=1024):
+    """Entropy of the next-token distribution at every position, in nats.
+
+    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   logits [B, T, V] -> [B, T] fp32.
+    Computed in fp32 a chunk of rows at a time; under torch.no_grad() (how the trainer logs it)
+    that bounds the extra memory to O(chunk_rows * V).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for s in range(0, flat.shape[0], chunk_rows):
+        z = flat[s : s + chunk_rows].float()
+        parts.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+    return torch.cat(parts).view(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# KL estimators
+
+KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs, [B, T] -> [B, T].
+
+    With d = logp - ref_logp (tokens sampled from pi):
+      k1  ("kl"):          d                                    unbiased, high variance, can be < 0
+      abs:                 |d|
+      k2  ("mse"):         d^2 / 2
+      k3  ("low_var_kl"):  exp(-d) - (-d) - 1 = r - log r - 1,  r = pi_ref / pi
+                           unbiased, low variance, always >= 0 (Schulman, "Approximating KL").
+                           As in verl, log r is clamped to [-20, 20] and the value to [-10, 10].
+    verl's names are accepted as aliases.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {sorted(KL_KINDS)}")
+    kind = KL_KINDS[kind]
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    log_r = torch.clamp(-d, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(log_r) - log_r - 1.0, min=-10.0, max=10.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss aggregation
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def masked_mean(x, mask):
+    """sum(x * mask) / sum(mask); 0 when the mask is empty."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def agg_loss(loss_mat, mask, mode="token-mean", norm_len=None):
+    """Reduce a per-token loss [B, T] to a scalar, as verl does on one rank.
+
+      token-mean:               sum_{i,t} l_it m_it / sum_{i,t} m_it        (DAPO; verl's default)
+      seq-mean-token-sum:       mean_i  sum_t l_it m_it
+      seq-mean-token-mean:      mean_i (sum_t l_it m_it / sum_t m_it)      (the original GRPO paper)
+      seq-mean-token-sum-norm:  sum_i sum_t l_it m_it / norm_len            (Dr. GRPO)
+
+    The seq-mean modes average over sequences with at least one unmasked token. Dr. GRPO divides by
+    a constant, `norm_len`, which defaults to T (the padded response length); pass the configured
+    max response length to keep it fixed across batches.
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    seq_sum = (loss_mat * mask).sum(-1)  # [B]
+    seq_valid = (mask.sum(-1) > 0).to(loss_mat.dtype)  # [B]
+    if mode == "seq-mean-token-sum":
+        return masked_mean(seq_sum, seq_valid)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(seq_sum / mask.sum(-1).clamp(min=1), seq_valid)
+    if mode == "seq-mean-token-sum-norm":
+        return seq_sum.sum() / (loss_mat.shape[-1] if norm_len is None else norm_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {list(AGG_MODES)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The clipped surrogate
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean"):
+    """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
+
+      ratio   = exp(clamp(logp - old_logp, -20, 20))
+      l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
+      l       = min(l_clip, -A * clip_c)   where A < 0   (dual clip: bounds the loss when a token
+                l_clip                     where A >= 0   with A < 0 has become far more likely)
+      loss    = agg_loss(l, mask, agg)
+
+    Returns (loss, metrics). Metrics, all masked token means and detached:
+      pg_clipfrac        share of tokens where the clipped term is the larger one (it was clipped)
+      pg_clipfrac_lower  share of tokens with A < 0 where the dual clip bound applied
+      ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new))
+    """
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_c must be > 1.0 for the dual clip to bound anything, got {clip_c}")
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_clip = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss_clip, -advantages * clip_c)
+    loss_mat = torch.where(advantages < 0, loss_dual, loss_clip)
+
+    mask_f = mask.to(loss_mat.dtype)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(mask_f.dtype), mask_f),
+            "pg_clipfrac_lower": masked_mean(
+                ((loss_clip > -advantages * clip_c) & (advantages < 0)).to(mask_f.dtype), mask_f
+            ),
+            "ppo_kl": masked_mean(-log_ratio, mask_f),
+        }
+    return agg_loss(loss_mat, mask_f, agg), metrics

@@ -1,0 +1,157 @@
+"""data_prep.py: GSM8K in verl's schema, and a loader that names the file, row and field at fault."""
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data_prep
+from data_prep import DataError, load_dataset
+from reward import compute_score
+
+SHARED_GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
+
+# ----------------------------------------------------------------------------------------------
+# GSM8K
+
+
+def write_jsonl(path, examples):
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return str(path)
+
+
+def test_gsm8k_row_is_verls_schema(tmp_path):
+    src = write_jsonl(tmp_path / "train.jsonl", [{"question": "How many?", "answer": "2 + 2 = 4\n#### 1,004"}])
+    (row,) = data_prep.gsm8k_rows(src, "train")
+    assert row == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": 'How many? Let\'s think step by step and output the final answer after "####".'}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1004"},
+        "extra_info": {"split": "train", "index": 0, "answer": "2 + 2 = 4\n#### 1,004", "question": "How many?"},
+    }
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        (json.dumps({"question": "q"}), "line 2: field 'answer'"),
+        (json.dumps({"question": "q", "answer": "no final line"}), "line 2: field 'answer' has no final"),
+    ],
+)
+def test_gsm8k_bad_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "test.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=message) as err:
+        data_prep.gsm8k_rows(str(path), "test")
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_GSM8K), reason="the real GSM8K is not beside the repo")
+def test_real_gsm8k_converts_cleanly(tmp_path):
+    data_prep.main(["gsm8k", "--input", SHARED_GSM8K, "--out", str(tmp_path)])
+    for split, n_rows in (("train", 7473), ("test", 1319)):
+        rows = load_dataset(str(tmp_path / f"{split}.parquet"))
+        assert len(rows) == n_rows
+        assert [r["extra_info"]["index"] for r in rows] == list(range(n_rows))
+        # every reference solution earns full reward against its own ground truth
+        assert all(compute_score(r["data_source"], r["extra_info"]["answer"], r["reward_model"]["ground_truth"]) == 1.0 for r in rows)
+
+
+def test_gsm8k_cli_names_a_missing_input(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        data_prep.main(["gsm8k", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert "train.jsonl not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# the loader
+
+GOOD = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "user", "content": "1 + 1?"}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "2"},
+    "extra_info": {"split": "test", "index": 0},
+}
+
+
+def write_rows(tmp_path, rows, name="data.parquet"):
+    path = str(tmp_path / name)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_loader_reads_good_rows(tmp_path):
+    assert load_dataset(write_rows(tmp_path, [GOOD, GOOD])) == [GOOD, GOOD]
+
+
+def test_loader_reads_a_file_written_the_way_verl_writes_it(tmp_path):
+    # verl's scripts go through HF `datasets`: struct fields in another order, the raw
+    # columns kept beside the new ones, and datasets' own schema metadata.
+    schema = pa.schema(
+        [
+            ("question", pa.string()),
+            ("answer", pa.string()),
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("extra_info", pa.struct([("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())])),
+        ],
+        metadata={b"huggingface": b'{"info": {"features": {}}}'},
+    )
+    row = dict(GOOD, question="1 + 1?", answer="#### 2", extra_info={"answer": "#### 2", "index": 0, "question": "1 + 1?", "split": "test"})
+    path = str(tmp_path / "verl.parquet")
+    pq.write_table(pa.Table.from_pylist([row], schema=schema), path)
+    (loaded,) = load_dataset(path)
+    assert loaded["prompt"] == [{"content": "1 + 1?", "role": "user"}]
+    assert loaded["reward_model"]["ground_truth"] == "2"
+    assert loaded["question"] == "1 + 1?"  # extra columns are kept
+
+
+def test_loader_missing_file_and_not_parquet(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_dataset(str(tmp_path / "missing.parquet"))
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("this is not parquet")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_dataset(str(junk))
+
+
+def test_loader_missing_column_and_empty_file(tmp_path):
+    no_reward = {k: v for k, v in GOOD.items() if k != "reward_model"}
+    with pytest.raises(DataError, match=r"missing column\(s\) \['reward_model'\]"):
+        load_dataset(write_rows(tmp_path, [no_reward]))
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.Table.from_pylist([GOOD]).slice(0, 0), empty)
+    with pytest.raises(DataError, match="has no rows"):
+        load_dataset(empty)
+
+
+def test_loader_names_row_and_field_of_each_bad_row(tmp_path):
+    rows = [
+        GOOD,
+        dict(GOOD, prompt=[]),
+        dict(GOOD, reward_model={"style": "rule", "ground_truth": None}),
+        dict(GOOD, prompt=[{"role": "user", "content": None}]),
+        dict(GOOD, data_source=""),
+    ]
+    path = write_rows(tmp_path, rows)
+    with pytest.raises(DataError) as err:
+        load_dataset(path)
+    message = str(err.value)
+    assert path in message and "4 of 5 rows are invalid" in message
+    for expected in ("row 1, field prompt", "row 2, field reward_model.ground_truth", "row 3, field prompt[0]", "row 4, field data_source"):
+        assert expected in message
+
+
+def test_loader_can_skip_bad_rows_with_a_count(tmp_path, capsys):
+    path = write_rows(tmp_path, [GOOD, dict(GOOD, prompt=[]), GOOD])
+    assert load_dataset(path, skip_invalid=True) == [GOOD, GOOD]
+    assert "1 of 3 rows are invalid" in capsys.readouterr().out
+    with pytest.raises(DataError, match="no valid rows"):
+        load_dataset(write_rows(tmp_path, [dict(GOOD, prompt=[])], "bad.parquet"), skip_invalid=True)

@@ -1,0 +1,222 @@
+"""loss.py: hand-computed cases, properties and equivalences for every formula."""
+
+import math
+
+import pytest
+import torch
+
+from loss import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+
+# ----------------------------------------------------------------------------------------------
+# log-probs and entropy
+
+
+def naive_logprobs(logits, labels, temperature=1.0):
+    return torch.log_softmax(logits.double() / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1024])
+def test_logprobs_match_log_softmax(temperature, chunk_rows):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g) * 3
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    out = logprobs_from_logits(logits, labels, temperature, chunk_rows)
+    assert out.shape == (2, 5) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_logprobs(logits, labels, temperature), atol=1e-5, rtol=0)
+
+
+def test_logprobs_gradient_is_exact():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 3), generator=g)
+    # gradcheck compares our hand-written backward against finite differences
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, labels, 0.8, chunk_rows=2).double(), (logits,))
+    weights = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    (logprobs_from_logits(logits, labels, 0.8, 4) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    (naive_logprobs(logits, labels, 0.8) * weights).sum().backward()
+    torch.testing.assert_close(ours, logits.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_logprobs_bf16_logits_are_computed_in_fp32():
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(4, 6, 50, generator=g) * 4).bfloat16()
+    labels = torch.randint(0, 50, (4, 6), generator=g)
+    ref = naive_logprobs(logits.float(), labels)  # the bf16 values, softmax taken in fp64
+    torch.testing.assert_close(logprobs_from_logits(logits, labels).double(), ref, atol=1e-5, rtol=0)
+
+
+def saved_bytes(fn, inputs):
+    """Bytes autograd keeps alive for backward in tensors other than `inputs` itself."""
+    total = []
+
+    def pack(t):
+        shares_input = t.untyped_storage().data_ptr() == inputs.untyped_storage().data_ptr()
+        total.append(0 if shares_input else t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(total)
+
+
+def test_logprobs_keep_no_full_fp32_copy_for_backward():
+    n, vocab = 64, 4096
+    logits = torch.randn(1, n, vocab).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (1, n))
+    full_fp32 = n * vocab * 4
+    naive = saved_bytes(lambda: torch.log_softmax(logits.float() / 0.7, -1).gather(-1, labels[..., None]), logits)
+    ours = saved_bytes(lambda: logprobs_from_logits(logits, labels, 0.7, chunk_rows=8), logits)
+    assert naive >= full_fp32  # the measurement would catch a naive implementation
+    assert ours < full_fp32 / 100
+
+
+def test_entropy():
+    vocab = 13
+    uniform = torch.zeros(2, 3, vocab)
+    torch.testing.assert_close(entropy_from_logits(uniform), torch.full((2, 3), math.log(vocab)))
+    peaked = torch.zeros(1, 1, vocab)
+    peaked[..., 4] = 100.0
+    assert entropy_from_logits(peaked).item() < 1e-6
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, vocab, generator=g)
+    p = torch.softmax(logits.double(), -1)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_rows=5).double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# KL estimators
+
+
+def test_kl_penalty_hand_values():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])  # d = logp - ref = 1
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(1.0)
+    assert kl_penalty(logp, ref, "abs").item() == pytest.approx(1.0)
+    assert kl_penalty(ref, logp, "abs").item() == pytest.approx(1.0)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-1.0))  # e^-1 - (-1) - 1
+    assert kl_penalty(ref, logp, "k3").item() == pytest.approx(math.e - 2.0)  # e^1 - 1 - 1
+
+
+@pytest.mark.parametrize("alias,name", [("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")])
+def test_kl_penalty_accepts_verl_names(alias, name):
+    logp, ref = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(kl_penalty(logp, ref, alias), kl_penalty(logp, ref, name))
+
+
+def test_kl_k3_clamps_like_verl():
+    # log r = ref - logp = 30 is clamped to 20 -> e^20 - 21, then the value to 10
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    # log r = -9 is inside both clamps: e^-9 + 9 - 1
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([-9.0]), "k3").item() == pytest.approx(8.0 + math.exp(-9.0))
+    # without the clamp on log r, e^100 overflows fp32 and the gradient becomes inf * 0 = NaN
+    logp = torch.tensor([-100.0], requires_grad=True)
+    kl_penalty(logp, torch.tensor([0.0]), "k3").sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    assert (kl_penalty(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+
+
+def test_k1_and_k3_are_unbiased_estimates_of_kl():
+    # tokens sampled from pi; the mean estimate must approach KL(pi || pi_ref) computed exactly
+    g = torch.Generator().manual_seed(4)
+    pi = torch.softmax(torch.randn(6, generator=g), 0)
+    ref = torch.softmax(torch.randn(6, generator=g), 0)
+    exact = (pi * (pi.log() - ref.log())).sum().item()
+    tokens = torch.multinomial(pi, 400_000, replacement=True, generator=g)
+    logp, ref_logp = pi.log()[tokens], ref.log()[tokens]
+    assert kl_penalty(logp, ref_logp, "k1").mean().item() == pytest.approx(exact, abs=5e-3)
+    assert kl_penalty(logp, ref_logp, "k3").mean().item() == pytest.approx(exact, abs=5e-3)
+
+
+def test_kl_penalty_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="low_var_kl"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last sequence has no tokens
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", (1 + 2 + 4) / 3),
+        ("seq-mean-token-sum", (3 + 4) / 2),  # the empty sequence is not counted
+        ("seq-mean-token-mean", (3 / 2 + 4 / 1) / 2),
+        ("seq-mean-token-sum-norm", (3 + 4) / 3),  # divided by T = 3
+    ],
+)
+def test_agg_loss_hand_values(mode, expected):
+    assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
+
+
+def test_agg_loss_dr_grpo_constant_and_unknown_mode():
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="token-mean"):
+        agg_loss(LOSS, MASK, "sum")
+
+
+def test_agg_modes_agree_when_all_sequences_have_equal_length():
+    g = torch.Generator().manual_seed(5)
+    loss, mask = torch.randn(4, 6, generator=g), torch.ones(4, 6)
+    token_mean = agg_loss(loss, mask, "token-mean")
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-mean"), token_mean)
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum"), token_mean * 6)
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), token_mean * 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# the clipped surrogate
+
+
+def one_token(adv, ratio, clip_c=3.0):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, metrics = policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), clip_c=clip_c)
+    loss.backward()
+    return loss.item(), logp.grad.item(), {k: v.item() for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize(
+    "adv,ratio,loss,clipped,lower,has_grad",
+    [
+        (1.0, 1.0, -1.0, 0, 0, True),  # on-policy: the plain policy gradient
+        (1.0, 1.5, -1.2, 1, 0, False),  # A > 0, ratio above 1 + eps: clipped, no gradient
+        (1.0, 0.5, -0.5, 0, 0, True),  # A > 0, ratio below 1 - eps: not clipped
+        (-1.0, 0.5, 0.8, 1, 0, False),  # A < 0, ratio below 1 - eps: clipped
+        (-1.0, 1.5, 1.5, 0, 0, True),  # A < 0, ratio above 1 + eps, under clip_c: not clipped
+        (-1.0, 5.0, 3.0, 0, 1, False),  # A < 0, ratio above clip_c: dual clip bounds it at -A * c
+    ],
+)
+def test_policy_loss_hand_cases(adv, ratio, loss, clipped, lower, has_grad):
+    value, grad, metrics = one_token(adv, ratio)
+    assert value == pytest.approx(loss)
+    assert metrics["pg_clipfrac"] == clipped
+    assert metrics["pg_clipfrac_lower"] == lower
+    assert metrics["ppo_kl"] == pytest.approx(-math.log(ratio))
+    assert (grad != 0) == has_grad
+
+
+def test_policy_loss_on_policy_gradient_is_the_policy_gradient():
+    # with logp == old_logp, d loss / d logp_t = -A_t / (number of tokens) under token-mean
+    g = torch.Generator().manual_seed(6)
+    logp = torch.randn(3, 4, generator=g).requires_grad_()
+    adv = torch.randn(3, 1, generator=g).expand(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * mask / mask.sum())
+    assert loss.item() == pytest.approx(-(adv * mask).sum().item() / mask.sum().item(), abs=1e-6)
+
+
+def test_policy_loss_asymmetric_clip_and_bad_clip_c():
+    logp = torch.tensor([[math.log(1.25)]])
+    args = (torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    assert policy_loss(logp, *args, clip_high=0.28)[0].item() == pytest.approx(-1.25)  # DAPO's clip-higher
+    assert policy_loss(logp, *args, clip_high=0.2)[0].item() == pytest.approx(-1.2)
+    with pytest.raises(ValueError, match="clip_c"):
+        policy_loss(logp, *args, clip_c=1.0)
