@@ -15,70 +15,77 @@ import torch
 
 
 class _ChunkedTokenLogProb(torch.autograd.Function):
-    """log softmax(z / temp)[label], computed one chunk of rows at a time.
+    """log softmax(z / temp)[label], computed a chunk of positions at a time.
 
     The plain `log_softmax(logits.float(), -1).gather(...)` keeps a full fp32 [B, T, V] copy alive
     for the backward pass: for a 150k vocabulary that is far larger than the model's activations.
-    Here forward keeps only the per-row logsumexp [B*T], and backward recomputes softmax chunk by
-    chunk from the logits tensor the model already holds.
+    Here forward keeps only the per-position logsumexp [B, T], and backward recomputes softmax
+    chunk by chunk from the logits tensor the model already holds. We loop over sequences and
+    position chunks rather than flattening, because the trainer passes a non-contiguous slice
+    (the response positions) and flattening it would copy it whole.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_rows):
-        flat = logits.reshape(-1, logits.shape[-1])  # [N, V], a view, no copy
-        flat_labels = labels.reshape(-1)  # [N]
+    def forward(ctx, logits, labels, temperature, chunk):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32
-        logp = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
+        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T]
         lse = torch.empty_like(logp)
-        for s in range(0, flat.shape[0], chunk_rows):
-            z = flat[s : s + chunk_rows].to(dtype) / temperature  # [c, V], freed after the loop
-            lse[s : s + chunk_rows] = torch.logsumexp(z, dim=-1)
-            chosen = z.gather(-1, flat_labels[s : s + chunk_rows, None]).squeeze(-1)
-            logp[s : s + chunk_rows] = chosen - lse[s : s + chunk_rows]
+        for b, t in _chunks(labels.shape, chunk):
+            z = logits[b, t].to(dtype) / temperature  # [c, V], freed after each chunk
+            lse[b, t] = torch.logsumexp(z, dim=-1)
+            logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
         ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        return logp.view(labels.shape)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
         # d logp / d z_j = (1[j == label] - softmax(z / temp)_j) / temp
         logits, labels, lse = ctx.saved_tensors
-        temp, chunk = ctx.temperature, ctx.chunk_rows
-        flat = logits.reshape(-1, logits.shape[-1])
-        flat_labels, g_out = labels.reshape(-1), grad_logp.reshape(-1).to(lse.dtype)
-        grad = torch.empty_like(flat)
-        for s in range(0, flat.shape[0], chunk):
-            probs = torch.exp(flat[s : s + chunk].to(lse.dtype) / temp - lse[s : s + chunk, None])  # [c, V]
-            g = probs.mul_(-g_out[s : s + chunk, None])
-            g.scatter_add_(-1, flat_labels[s : s + chunk, None], g_out[s : s + chunk, None])
-            grad[s : s + chunk] = g.div_(temp)
-        return grad.view_as(logits), None, None, None
+        grad = torch.zeros_like(logits)
+        g_out = grad_logp.to(lse.dtype)
+        for b, t in _chunks(labels.shape, ctx.chunk):
+            probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [c, V]
+            g = probs.mul_(-g_out[b, t, None])
+            g.scatter_add_(-1, labels[b, t, None], g_out[b, t, None])
+            grad[b, t] = g.div_(ctx.temperature)
+        return grad, None, None, None
 
 
-def logprobs_from_logits(logits, labels, temperature=1.0, chunk_rows=1024):
+def _chunks(shape, chunk):
+    """(sequence index, position slice) pairs covering a [B, T] grid, `chunk` positions at a time."""
+    for b in range(shape[0]):
+        for s in range(0, shape[1], chunk):
+            yield b, slice(s, s + chunk)
+
+
+def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
     """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
 
-    logits [B, T, V] (any float dtype), labels [B, T] int64 -> [B, T] nats, fp32 (fp64 for fp64 logits).
-    Computed in at least fp32 one chunk of `chunk_rows` rows at a time, so memory beyond the logits is
-    O(chunk_rows * V), with or without autograd. Pass the sampling temperature so these
-    log-probs match the ones the rollout engine sampled with.
+    logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
+    -> [B, T] nats, fp32 (fp64 for fp64 logits).
+    Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
+    O(chunk * V), with or without autograd. Pass the sampling temperature so these log-probs
+    match the ones the rollout engine sampled with.
     """
-    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk_rows))
+    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
 
 
-def entropy_from_logits(logits, chunk_rows=1024):
+def entropy_from_logits(logits, chunk=1024):
     """Entropy of the next-token distribution at every position, in nats.
 
     H = logsumexp(z) - sum_j softmax(z)_j * z_j,   logits [B, T, V] -> [B, T] fp32.
-    Computed in fp32 a chunk of rows at a time; under torch.no_grad() (how the trainer logs it)
-    that bounds the extra memory to O(chunk_rows * V).
+    Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
+    that bounds the extra memory to O(chunk * V).
     """
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for s in range(0, flat.shape[0], chunk_rows):
-        z = flat[s : s + chunk_rows].float()
-        parts.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
-    return torch.cat(parts).view(logits.shape[:-1])
+    rows = []
+    for b in range(logits.shape[0]):
+        parts = []
+        for s in range(0, logits.shape[1], chunk):
+            z = logits[b, s : s + chunk].float()
+            parts.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,18 +157,39 @@ def agg_loss(loss_mat, mask, mode="token-mean", norm_len=None):
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {list(AGG_MODES)}")
 
 
+def agg_denominator(mask, mode):
+    """What agg_loss divides this batch by: its unmasked tokens (token-mean) or its sequences with
+    at least one unmasked token (seq-mean-*); None for seq-mean-token-sum-norm, whose divisor is a
+    constant.
+
+    A batch split into micro-batches (and over ranks) gives exactly agg_loss of the whole batch
+    when each piece's loss is weighted by  piece's denominator / whole batch's denominator
+    (weight 1 for the constant-divisor mode), and the weighted losses are summed.
+    """
+    if mode == "token-mean":
+        return mask.sum().item()
+    if mode == "seq-mean-token-sum-norm":
+        return None
+    return (mask.sum(-1) > 0).sum().item()
+
+
 # ----------------------------------------------------------------------------------------------
 # The clipped surrogate
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean"):
+def policy_loss(
+    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", rollout_is_weights=None
+):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
 
       ratio   = exp(clamp(logp - old_logp, -20, 20))
       l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
       l       = min(l_clip, -A * clip_c)   where A < 0   (dual clip: bounds the loss when a token
                 l_clip                     where A >= 0   with A < 0 has become far more likely)
-      loss    = agg_loss(l, mask, agg)
+      loss    = agg_loss(l * w, mask, agg)   w = rollout_is_weights, or 1
+
+    `rollout_is_weights` [B, T] is the truncated importance-sampling correction for the gap
+    between the rollout engine and the trainer: w = min(pi_old / pi_engine, cap), no gradient.
 
     Returns (loss, metrics). Metrics, all masked token means and detached:
       pg_clipfrac        share of tokens where the clipped term is the larger one (it was clipped)
@@ -177,6 +205,8 @@ def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, c
     loss_clip = torch.maximum(loss_unclipped, loss_clipped)
     loss_dual = torch.minimum(loss_clip, -advantages * clip_c)
     loss_mat = torch.where(advantages < 0, loss_dual, loss_clip)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
 
     mask_f = mask.to(loss_mat.dtype)
     with torch.no_grad():

