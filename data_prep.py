@@ -1,6 +1,7 @@
 """Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
+    python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
 
 One row per problem, the same columns verl's own data scripts write, so files made here and files
 made by verl are interchangeable:
@@ -65,6 +66,57 @@ def write_parquet(rows, path):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     print(f"wrote {len(rows)} rows to {path}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The synthetic task "digits": the demo's and the tests' default data
+#
+#   prompt  "list 2 9 1 4 1 7 last"   ->   answer "7"        ("first" asks for the first digit)
+#
+# Small enough that a tiny random-init model learns it with GRPO in a few minutes on 2 CPU cores,
+# yet the answer depends on the prompt: 2 x 10^6 distinct prompts, 10 answers, each ~10% of them.
+# A random policy is right about 1 time in 400 (the digit, then EOS, out of 20 tokens), so GRPO first
+# learns the format, then to copy the right digit. The test prompts never appear in training.
+
+TASK_SOURCE = "synthetic/digits"
+TASK_WORDS = [str(d) for d in range(10)] + ["list", "first", "last"]  # the tiny tokenizer's vocabulary
+
+
+def digits_prompt(rng):
+    digits = [rng.randrange(10) for _ in range(6)]
+    which = rng.choice(["first", "last"])
+    answer = digits[0] if which == "first" else digits[-1]
+    return "list " + " ".join(map(str, digits)) + " " + which, str(answer)
+
+
+def task_rows(split, count, seed, exclude=()):
+    """`count` distinct prompts of the digits task, in verl's schema, none of them in `exclude`."""
+    import random
+
+    rng, seen, rows = random.Random(f"digits-{split}-{seed}"), set(exclude), []
+    while len(rows) < count:
+        content, answer = digits_prompt(rng)
+        if content in seen:
+            continue
+        seen.add(content)
+        rows.append(
+            {
+                "data_source": TASK_SOURCE,
+                "prompt": [{"role": "user", "content": content}],
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {"split": split, "index": len(rows)},
+            }
+        )
+    return rows
+
+
+def write_task(out_dir, seed=0, train_size=20000, test_size=500):
+    """Write the digits task's train.parquet and test.parquet (disjoint prompts) to `out_dir`."""
+    test = task_rows("test", test_size, seed)
+    train = task_rows("train", train_size, seed, exclude={r["prompt"][0]["content"] for r in test})
+    write_parquet(train, os.path.join(out_dir, "train.parquet"))
+    write_parquet(test, os.path.join(out_dir, "test.parquet"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,6 +195,11 @@ def main(argv=None):
     g = tasks.add_parser("gsm8k", help="convert GSM8K's train.jsonl/test.jsonl")
     g.add_argument("--input", required=True, help="directory with train.jsonl and test.jsonl")
     g.add_argument("--out", default="data/gsm8k", help="directory to write train.parquet and test.parquet to")
+    d = tasks.add_parser("digits", help="the synthetic task: copy the first or last digit of a list")
+    d.add_argument("--out", default="data/digits", help="directory to write train.parquet and test.parquet to")
+    d.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
+    d.add_argument("--train-size", type=int, default=20000, help="training prompts")
+    d.add_argument("--test-size", type=int, default=500, help="held-out prompts, none of them in training")
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -151,6 +208,8 @@ def main(argv=None):
             if not os.path.isfile(src):
                 parser.error(f"{src} not found; --input must be a directory holding GSM8K's train.jsonl and test.jsonl")
             write_parquet(gsm8k_rows(src, split), os.path.join(args.out, f"{split}.parquet"))
+    if args.task == "digits":
+        write_task(args.out, args.seed, args.train_size, args.test_size)
 
 
 if __name__ == "__main__":

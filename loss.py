@@ -31,7 +31,7 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
         logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T]
         lse = torch.empty_like(logp)
         for b, t in _chunks(labels.shape, chunk):
-            z = logits[b, t].to(dtype) / temperature  # [c, V], freed after each chunk
+            z = logits[b, t].to(dtype) / temperature  # [rows, c, V], freed after each chunk
             lse[b, t] = torch.logsumexp(z, dim=-1)
             logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
         ctx.save_for_backward(logits, labels, lse)
@@ -45,7 +45,7 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
         grad = torch.zeros_like(logits)
         g_out = grad_logp.to(lse.dtype)
         for b, t in _chunks(labels.shape, ctx.chunk):
-            probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [c, V]
+            probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [rows, c, V]
             g = probs.mul_(-g_out[b, t, None])
             g.scatter_add_(-1, labels[b, t, None], g_out[b, t, None])
             grad[b, t] = g.div_(ctx.temperature)
@@ -53,10 +53,17 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
 
 
 def _chunks(shape, chunk):
-    """(sequence index, position slice) pairs covering a [B, T] grid, `chunk` positions at a time."""
-    for b in range(shape[0]):
-        for s in range(0, shape[1], chunk):
-            yield b, slice(s, s + chunk)
+    """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
+    rows together when sequences are short, pieces of one row when they are long."""
+    B, T = shape
+    if T <= chunk:
+        step = max(1, chunk // max(T, 1))
+        for b in range(0, B, step):
+            yield slice(b, b + step), slice(None)
+    else:
+        for b in range(B):
+            for s in range(0, T, chunk):
+                yield slice(b, b + 1), slice(s, s + chunk)
 
 
 def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
@@ -78,14 +85,11 @@ def entropy_from_logits(logits, chunk=1024):
     Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
     that bounds the extra memory to O(chunk * V).
     """
-    rows = []
-    for b in range(logits.shape[0]):
-        parts = []
-        for s in range(0, logits.shape[1], chunk):
-            z = logits[b, s : s + chunk].float()
-            parts.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
-        rows.append(torch.cat(parts))
-    return torch.stack(rows)
+    entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
+    for b, t in _chunks(entropy.shape, chunk):
+        z = logits[b, t].float()  # [rows, c, V]
+        entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    return entropy
 
 
 # ----------------------------------------------------------------------------------------------

@@ -67,6 +67,21 @@ def gsm8k_score(solution_str, ground_truth, method="strict", format_score=0.0, s
 
 
 # ----------------------------------------------------------------------------------------------
+# The synthetic digits task (data_prep.py)
+
+DIGITS_SOURCE = "synthetic/digits"
+
+
+def digits_score(solution_str, ground_truth):
+    """1 if the response is exactly the answer (surrounding spaces aside), else 0.
+
+    Exact, not "contains": the trainer passes every token the model wrote but the final EOS, so
+    an answer followed by junk tokens, or one that never stops, scores 0.
+    """
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch by data source (verl's `default_compute_score`)
 
 
@@ -74,13 +89,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """The built-in reward for a row's data_source. Unknown sources are an error, not a 0."""
     if data_source == GSM8K_SOURCE:
         return gsm8k_score(solution_str, ground_truth)
+    if data_source == DIGITS_SOURCE:
+        return digits_score(solution_str, ground_truth)
     raise ValueError(
         f"no built-in reward for data_source {data_source!r}; built-in sources: {sorted(BUILTIN_SOURCES)}. "
         "For other data, pass a reward file: --reward-fn path/to/file.py:function_name"
     )
 
 
-BUILTIN_SOURCES = {GSM8K_SOURCE}
+BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE}
 
 # ----------------------------------------------------------------------------------------------
 # Custom reward functions

@@ -16,7 +16,7 @@ def naive_logprobs(logits, labels, temperature=1.0):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("chunk", [1, 3, 1024])
+@pytest.mark.parametrize("chunk", [1, 3, 10, 1024])  # 10: two whole rows per chunk
 def test_logprobs_match_log_softmax(temperature, chunk):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=g) * 3

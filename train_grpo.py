@@ -1,0 +1,688 @@
+"""GRPO post-training of a causal LM: FSDP2 policy, a vLLM engine colocated in every rank.
+
+    torchrun --nproc_per_node=1 train_grpo.py                  # the demo: tiny local model, synthetic task
+    torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
+        --train-data data/gsm8k/train.parquet --val-data data/gsm8k/test.parquet
+
+Every step: sample a global batch of prompts (sharded over ranks) -> generate n responses per
+prompt with the rollout engine -> score them -> group-normalized advantages -> old log-probs
+(recomputed by the trainer) and reference log-probs -> ppo_epochs x mini-batches x micro-batches
+of the clipped surrogate + KL loss -> AdamW step -> copy the new weights into the engine ->
+log -> validate -> save.
+
+What is kept from verl's GRPO: its data schema, formulas (loss.py, advantage.py), defaults
+(clip 0.2, k3 KL loss with coefficient 0.001, token-mean, lr 1e-6) and metric names. What is
+dropped: a critic (GRPO needs none), KL in the reward (we use the KL loss, as verl's GRPO
+examples do), multi-turn rollouts, sequence packing, and resuming (checkpoint.py comes next).
+"""
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import resource
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import data_prep
+from advantage import grpo_advantages, zero_std_fraction
+from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from reward import compute_score, load_reward_fn, score_responses
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model: str = "tiny"
+    """Hugging Face model id or local directory; "tiny" builds the random-init demo model locally."""
+    train_data: str = ""
+    """Training parquet in verl's schema; empty: the synthetic task, written to <out-dir>/data."""
+    val_data: str = ""
+    """Validation parquet in verl's schema; empty: the synthetic task's test split."""
+    out_dir: str = "runs/grpo"
+    """Run directory: config.json, metrics.jsonl, samples/ and the final model."""
+    reward_fn: str = ""
+    """Custom reward, path/to/file.py:function_name (verl's signature); empty: reward.compute_score."""
+    seed: int = 0
+    """Seed for data order, sampling and the tiny model."""
+    # --- schedule
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int = -1
+    """Stop after this many steps (-1: run all epochs)."""
+    prompt_batch_size: int = 256
+    """Prompts per step, over all ranks (verl's data.train_batch_size)."""
+    n: int = 8
+    """Responses sampled per prompt: the GRPO group size (verl's rollout.n)."""
+    max_prompt_length: int = 512
+    """Longer prompts are dropped from the data, with a printed count."""
+    max_response_length: int = 1024
+    """Maximum new tokens per response; longer ones are truncated (response_length/clip_ratio)."""
+    # --- rollout
+    rollout: str = "auto"
+    """Generation engine: vllm, hf (transformers), or auto (vllm when importable)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts; the trainer's log-probs use it too."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+    top_k: int = -1
+    """Top-k sampling for training rollouts (-1: off)."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take (CUDA only)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size (CUDA only)."""
+    # --- update
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batch_size: int = 64
+    """Prompts per optimizer step, over all ranks (verl's ppo_mini_batch_size)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
+    lr: float = 1e-6
+    """Peak AdamW learning rate."""
+    lr_schedule: str = "constant"
+    """constant or cosine, after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule's final lr as a fraction of the peak."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this; a non-finite norm skips the step."""
+    clip_low: float = 0.2
+    """Clip ratio below 1 (PPO's epsilon)."""
+    clip_high: float = 0.2
+    """Clip ratio above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_c: float = 3.0
+    """Dual-clip bound for negative advantages."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    kl_coef: float = 0.001
+    """Weight of the KL loss to the frozen reference; 0 skips the reference model."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, abs, k2, k3 (or verl's kl, mse, low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (verl's entropy_coeff)."""
+    norm_adv_by_std: bool = True
+    """Divide advantages by the group std (GRPO); off: Dr. GRPO."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap); 0: off."""
+    # --- precision and memory
+    grad_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    # --- validation, logging, saving
+    test_freq: int = 10
+    """Validate every this many steps (-1: never)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0: greedy)."""
+    val_max_prompts: int = -1
+    """Validate on at most this many prompts (-1: all)."""
+    wandb_project: str = ""
+    """Log to this Weights & Biases project (WANDB_MODE=offline works without network); empty: off."""
+    wandb_run_name: str = ""
+    """Weights & Biases run name."""
+    save_model: bool = True
+    """Save the final policy in Hugging Face format to <out-dir>/final_model."""
+
+
+# The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
+# pretrained model. These replace the defaults above unless given on the command line.
+DEMO_OVERRIDES = dict(
+    lr=5e-4, warmup_steps=5, prompt_batch_size=64, mini_batch_size=64, micro_batch_size=128,
+    max_prompt_length=32, max_response_length=4, kl_coef=0.0, weight_decay=0.0, entropy_coef=0.01, max_steps=200, test_freq=10,
+)  # fmt: skip
+
+
+def field_docs(cls):
+    """The docstring under each dataclass field, read from the source: they become --help."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        a.target.id: b.value.value
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }
+
+
+def parse_args(argv=None):
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs(Args)
+    for f in dataclasses.fields(Args):
+        flag, help_text = "--" + f.name.replace("_", "-"), f"{docs[f.name]} (default: {f.default})"
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=f.type, default=f.default, help=help_text)
+    args = Args(**vars(parser.parse_args(argv)))
+    if args.model == "tiny":
+        given = {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
+        for key, value in DEMO_OVERRIDES.items():
+            if key not in given:
+                setattr(args, key, value)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed helpers: every rank computes, rank 0 talks
+
+
+def print0(*a, **kw):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **kw, flush=True)
+
+
+def reduce_metrics(metrics):
+    """Average metrics over ranks; keys ending in /max or /min take the max or min."""
+    if dist.get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    out = {}
+    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.SUM, None)):
+        sel = [k for k in keys if (k.endswith(pick) if pick else not k.endswith(("/max", "/min")))]
+        if not sel:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in sel], dtype=torch.float64, device=DEVICE)
+        dist.all_reduce(t, op=op)
+        if pick is None:
+            t /= dist.get_world_size()
+        out.update(zip(sel, t.tolist()))
+    return out
+
+
+def all_sum(x):
+    t = torch.tensor(float(x), dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
+
+
+def make_batch(prompts, responses, pad_id):
+    """Token id lists -> tensors. input_ids = [pad.. prompt | response ..pad]: [N, P + R].
+    The logits that predict response token t sit at column P - 1 + t."""
+    P, R = max(map(len, prompts)), max(max(map(len, responses)), 1)
+    n = len(prompts)
+    input_ids = torch.full((n, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        responses=input_ids[:, P:], response_mask=attention_mask[:, P:].float(), prompt_width=P,
+    )  # fmt: skip
+
+
+def response_logits(model, batch, rows):
+    """Forward pass on rows of a batch; returns the logits that predict each response token."""
+    out = model(
+        input_ids=batch["input_ids"][rows].to(DEVICE),
+        attention_mask=batch["attention_mask"][rows].to(DEVICE),
+        position_ids=batch["position_ids"][rows].to(DEVICE),
+        use_cache=False,
+    )
+    P = batch["prompt_width"]
+    return out.logits[:, P - 1 : -1]  # [b, R, V]
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch, micro, temperature):
+    """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
+    parts = []
+    for s in range(0, batch["responses"].shape[0], micro):
+        rows = slice(s, s + micro)
+        logits = response_logits(model, batch, rows)
+        parts.append(logprobs_from_logits(logits, batch["responses"][rows].to(DEVICE), temperature).float().cpu())
+    return torch.cat(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model setup
+
+
+def load_model(path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(DEVICE)
+
+
+def shard(model, mesh, mixed_precision):
+    """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def full_parameters(model, dtype):
+    """Yields (hf_name, full tensor) one parameter at a time: each rank all-gathers its shards, so
+    the extra memory is one parameter, not a second model."""
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, full.detach().to(dtype)
+
+
+def save_hf(model, tokenizer, out_dir, rank):
+    """Gather the full state dict to rank 0's CPU and write safetensors + config + tokenizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        with torch.device("meta"):  # an unsharded skeleton of the same class, filled with the gathered weights
+            plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        plain.load_state_dict(state, assign=True, strict=False)
+        plain.tie_weights()
+        plain.generation_config = model.generation_config
+        plain.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        print0(f"saved the policy to {out_dir}")
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main():
+    global DEVICE
+    args = parse_args()
+
+    # ---------------- setup: processes, device, seeds
+    if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    DEVICE = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(DEVICE.type, (world,))
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    os.makedirs(os.path.join(args.out_dir, "samples"), exist_ok=True)
+
+    if args.prompt_batch_size % world or args.mini_batch_size % world or args.prompt_batch_size % args.mini_batch_size:
+        raise SystemExit(
+            f"prompt_batch_size ({args.prompt_batch_size}) must be a multiple of mini_batch_size ({args.mini_batch_size}), "
+            f"and both multiples of the number of ranks ({world})"
+        )
+
+    # ---------------- model and data paths (the demo builds its own, on rank 0)
+    if args.model == "tiny":
+        from tiny_model import build_tiny_model
+
+        args.model = os.path.join(args.out_dir, "tiny_model")
+        if rank == 0:
+            build_tiny_model(args.model, data_prep.TASK_WORDS, seed=args.seed)
+    if not args.train_data or not args.val_data:
+        task_dir = os.path.join(args.out_dir, "data")
+        if rank == 0:
+            data_prep.write_task(task_dir, seed=args.seed)
+        args.train_data = args.train_data or os.path.join(task_dir, "train.parquet")
+        args.val_data = args.val_data or os.path.join(task_dir, "test.parquet")
+    dist.barrier()
+    if os.path.sep in args.model and not os.path.isdir(args.model):
+        raise SystemExit(f"--model {args.model}: no such directory (expected a Hugging Face model directory or hub id)")
+
+    print0("config:\n" + "\n".join(f"  {k:24s} {v}" for k, v in dataclasses.asdict(args).items()))
+    if rank == 0:
+        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except OSError as e:
+        raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def load_prompts(path, name):
+        """Rows of verl's schema with their prompt token ids; over-long prompts dropped, counted."""
+        rows = data_prep.load_dataset(path)
+        for row in rows:
+            row["prompt_ids"] = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        kept = [r for r in rows if len(r["prompt_ids"]) <= args.max_prompt_length]
+        if len(kept) < len(rows):
+            print0(f"{name}: dropped {len(rows) - len(kept)} of {len(rows)} prompts longer than max_prompt_length={args.max_prompt_length} tokens")
+        if not kept:
+            raise SystemExit(f"{path}: every prompt is longer than max_prompt_length={args.max_prompt_length} tokens")
+        return kept
+
+    train_rows = load_prompts(args.train_data, "train data")
+    val_rows = load_prompts(args.val_data, "validation data")
+    if args.val_max_prompts > 0:
+        val_rows = val_rows[: args.val_max_prompts]
+    if len(train_rows) < args.prompt_batch_size:
+        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than prompt_batch_size={args.prompt_batch_size}")
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
+
+    # ---------------- the engine first (it sets the process's thread count), then the policy
+    from rollout import make_engine
+
+    engine_dtype = "bfloat16" if cuda else "float32"
+    engine = make_engine(
+        args.rollout, args.model, max_model_len=args.max_prompt_length + args.max_response_length, dtype=engine_dtype,
+        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size, distributed=True, device=DEVICE,
+    )  # fmt: skip
+    print0(f"rollout engine: {type(engine).__name__}")
+
+    policy = load_model(args.model, torch.float32)  # fp32 master weights; bf16 compute on GPU
+    if args.grad_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = shard(policy, mesh, mixed_precision=cuda)
+    reference = None
+    if args.kl_coef > 0:
+        reference = shard(load_model(args.model, torch.float32).eval().requires_grad_(False), mesh, mixed_precision=cuda)
+    engine_torch_dtype = getattr(torch, engine_dtype)
+    engine.sleep()
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    steps_per_epoch = len(train_rows) // args.prompt_batch_size
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+
+    def lr_factor(step):
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        if args.lr_schedule == "cosine":
+            progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
+            return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+    wandb = None
+    if args.wandb_project and rank == 0:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=args.wandb_run_name or None, config=dataclasses.asdict(args), dir=args.out_dir)
+
+    def sampling_seeds(step, first, count):
+        """One seed per prompt from (seed, step, the prompt's place in the global batch), so a
+        prompt's samples do not depend on how the batch is split over ranks."""
+        return [(args.seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]
+
+    eos_ids = {tokenizer.eos_token_id} | set(engine_eos_ids(args.model))
+
+    def decode(ids):
+        """The text the reward sees: every token the model wrote except the final EOS. We keep the
+        other special tokens (verl drops them): with them dropped, our tiny policy learned to pad
+        its answer with <pad> and <bos> instead of ever stopping, and still got full reward."""
+        if ids and ids[-1] in eos_ids:
+            ids = ids[:-1]
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ---------------- validation
+    def validate(step):
+        per_rank = math.ceil(len(val_rows) / world)
+        rows = val_rows[rank * per_rank : (rank + 1) * per_rank]
+        engine.wake_up()
+        out = engine.generate(
+            [r["prompt_ids"] for r in rows], n=1, temperature=args.val_temperature, max_new_tokens=args.max_response_length,
+            seeds=sampling_seeds(-1, rank * per_rank, len(rows)),
+        )  # fmt: skip
+        engine.sleep()
+        texts = [decode(ids) for ids in out.response_ids]
+        scores, _ = score_responses(
+            reward_fn, [r["data_source"] for r in rows], texts, [r["reward_model"]["ground_truth"] for r in rows],
+            [r.get("extra_info") for r in rows], indices=range(rank * per_rank, rank * per_rank + len(rows)),
+        )  # fmt: skip
+        sources = sorted({s for part in all_gather([r["data_source"] for r in rows]) for s in part})
+        metrics = {}
+        for source in sources:
+            mine = [s for s, r in zip(scores, rows) if r["data_source"] == source]
+            metrics[f"val-core/{source}/reward/mean@1"] = all_sum(sum(mine)) / all_sum(len(mine))
+        if rank == 0:
+            with open(os.path.join(args.out_dir, "samples", f"val_step_{step}.jsonl"), "w") as f:
+                for r, text, s in list(zip(rows, texts, scores))[:20]:
+                    prompt = tokenizer.decode(r["prompt_ids"])
+                    f.write(json.dumps(dict(step=step, prompt=prompt, response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)) + "\n")
+        return metrics
+
+    def log(step, metrics):
+        if rank == 0:
+            with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(dict(step=step, **metrics)) + "\n")
+            if wandb:
+                wandb.log(metrics, step=step)
+
+    if rank == 0 and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
+        os.remove(os.path.join(args.out_dir, "metrics.jsonl"))  # a fresh run (resume comes with checkpoint.py)
+    if args.val_before_train and args.test_freq != 0:
+        val = validate(0)
+        print0("validation before training: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
+        log(0, val)
+
+    # ---------------- the loop
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps, desc="Training Progress", disable=rank != 0, dynamic_ncols=True)
+    local_prompts = args.prompt_batch_size // world
+    mini_local = args.mini_batch_size // world * args.n  # sequences per optimizer step on this rank
+    on_policy = args.ppo_epochs == 1 and args.mini_batch_size == args.prompt_batch_size
+    order = []
+    for step in range(1, total_steps + 1):
+        t_step = time.perf_counter()
+        timing, metrics = {}, {}
+
+        # ---- the prompts of this step: a global batch from a seeded shuffle, this rank's share
+        epoch, index_in_epoch = divmod(step - 1, steps_per_epoch)
+        if index_in_epoch == 0:
+            order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        first = index_in_epoch * args.prompt_batch_size + rank * local_prompts
+        rows = [train_rows[i] for i in order[first : first + local_prompts]]
+
+        # ---- rollout: n responses per prompt
+        t = time.perf_counter()
+        engine.wake_up()
+        out = engine.generate(
+            [r["prompt_ids"] for r in rows], n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            max_new_tokens=args.max_response_length, seeds=sampling_seeds(step, rank * local_prompts, len(rows)),
+        )  # fmt: skip
+        engine.sleep()
+        timing["gen"] = time.perf_counter() - t
+        samples = [r for r in rows for _ in range(args.n)]  # prompt-major, like the rollout
+
+        # ---- reward
+        t = time.perf_counter()
+        texts = [decode(ids) for ids in out.response_ids]
+        scores, extras = score_responses(
+            reward_fn, [r["data_source"] for r in samples], texts, [r["reward_model"]["ground_truth"] for r in samples],
+            [r.get("extra_info") for r in samples], indices=range((first) * args.n, (first + len(rows)) * args.n),
+        )  # fmt: skip
+        timing["reward"] = time.perf_counter() - t
+
+        # ---- advantages: each prompt's group lives on one rank, so this is local
+        advantages = grpo_advantages(scores, args.n, norm_by_std=args.norm_adv_by_std)  # [N]
+        batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id)
+        mask = batch["response_mask"]  # [N, R]
+        engine_logp = torch.zeros_like(mask)
+        for i, lp in enumerate(out.logprobs):
+            engine_logp[i, : len(lp)] = torch.tensor(lp)
+        adv_tokens = advantages[:, None] * mask  # [N, R]
+
+        # ---- old and reference log-probs
+        t = time.perf_counter()
+        old_logp = None if on_policy else compute_logprobs(policy, batch, args.micro_batch_size, args.temperature)
+        timing["old_log_prob"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ref_logp = compute_logprobs(reference, batch, args.micro_batch_size, args.temperature) if reference else None
+        timing["ref"] = time.perf_counter() - t
+
+        # ---- policy update: ppo_epochs x mini-batches x micro-batches
+        t = time.perf_counter()
+        policy.train()
+        stats, trainer_logp = [], torch.zeros_like(mask)
+        for _ in range(args.ppo_epochs):
+            for m0 in range(0, mask.shape[0], mini_local):
+                mini = slice(m0, m0 + mini_local)
+                # each micro-batch's loss is weighted so the summed gradient is agg_loss over the
+                # whole global mini-batch; FSDP averages gradients over ranks, hence the * world
+                whole = agg_denominator(mask[mini], args.loss_agg)
+                whole = None if whole is None else all_sum(whole)
+                optimizer.zero_grad(set_to_none=True)
+                for s in range(m0, min(m0 + mini_local, mask.shape[0]), args.micro_batch_size):
+                    rows_ = slice(s, min(s + args.micro_batch_size, m0 + mini_local, mask.shape[0]))
+                    m = mask[rows_].to(DEVICE)
+                    logits = response_logits(policy, batch, rows_)
+                    logp = logprobs_from_logits(logits, batch["responses"][rows_].to(DEVICE), args.temperature)
+                    old = logp.detach() if old_logp is None else old_logp[rows_].to(DEVICE)
+                    trainer_logp[rows_] = old.float().cpu()
+                    is_weights = None
+                    if args.tis_cap > 0:
+                        is_weights = torch.exp(old - engine_logp[rows_].to(DEVICE)).clamp(max=args.tis_cap) * m
+                    pg_loss, pg_metrics = policy_loss(
+                        logp, old, adv_tokens[rows_].to(DEVICE), m, args.clip_low, args.clip_high, args.clip_c,
+                        args.loss_agg, rollout_is_weights=is_weights,
+                    )  # fmt: skip
+                    loss = pg_loss
+                    kl_loss = torch.zeros(())
+                    if reference is not None:
+                        kl_loss = agg_loss(kl_penalty(logp, ref_logp[rows_].to(DEVICE), args.kl_kind), m, args.loss_agg)
+                        loss = loss + args.kl_coef * kl_loss
+                    with torch.set_grad_enabled(args.entropy_coef > 0):
+                        entropy = agg_loss(entropy_from_logits(logits), m, args.loss_agg)
+                    if args.entropy_coef > 0:
+                        loss = loss - args.entropy_coef * entropy
+                    piece = agg_denominator(m, args.loss_agg)
+                    weight = world if whole is None else piece / max(whole, 1) * world
+                    (loss * weight).backward()
+                    stats.append(dict(pg_loss=pg_loss.item(), kl_loss=kl_loss.item(), entropy=entropy.item(), policy_loss=loss.item(),
+                                      **{k: v.item() for k, v in pg_metrics.items()}))  # fmt: skip
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+                grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+                if math.isfinite(grad_norm):
+                    optimizer.step()
+                else:
+                    metrics["actor/skipped_updates"] = metrics.get("actor/skipped_updates", 0) + 1
+                    print0(f"step {step}: gradient norm is {grad_norm}; skipping this optimizer step")
+                optimizer.zero_grad(set_to_none=True)
+                stats[-1]["grad_norm"] = grad_norm
+        metrics["actor/lr"] = scheduler.get_last_lr()[0]
+        scheduler.step()
+        timing["update_actor"] = time.perf_counter() - t
+
+        # ---- copy the new weights into the engine, one parameter at a time
+        t = time.perf_counter()
+        engine.wake_up()
+        engine.update_weights(full_parameters(policy, engine_torch_dtype))
+        engine.sleep()
+        timing["update_weights"] = time.perf_counter() - t
+        timing["step"] = time.perf_counter() - t_step
+
+        # ---- metrics, verl's names, reduced over ranks
+        def mean_of(key):
+            values = [s[key] for s in stats if key in s]
+            return sum(values) / len(values)
+
+        for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "grad_norm"):
+            metrics[f"actor/{key}"] = mean_of(key)
+        metrics["actor/policy_loss"] = mean_of("policy_loss")
+        resp_len = mask.sum(-1)
+        prompt_len = torch.tensor([len(r["prompt_ids"]) for r in samples], dtype=torch.float)
+        score_t = torch.tensor(scores)
+        gap = (trainer_logp - engine_logp).abs() * mask
+        prob_gap = (trainer_logp.exp() - engine_logp.exp()).abs() * mask
+        for name, t_ in (("critic/score", score_t), ("critic/advantages", advantages), ("response_length", resp_len), ("prompt_length", prompt_len)):
+            metrics.update({f"{name}/mean": t_.mean().item(), f"{name}/max": t_.max().item(), f"{name}/min": t_.min().item()})
+        metrics["response_length/clip_ratio"] = float(np.mean(out.truncated))
+        metrics["frac_reward_zero_std"] = zero_std_fraction(scores, args.n)
+        metrics["training/rollout_probs_diff_max"] = prob_gap.max().item()
+        metrics["training/rollout_probs_diff_mean"] = (prob_gap.sum() / mask.sum().clamp(min=1)).item()
+        metrics["training/rollout_logprob_diff_max"] = gap.max().item()
+        for key, values in extras.items():
+            numeric = [float(v) for v in values if isinstance(v, (int, float))]
+            if numeric:
+                metrics[f"reward_extra/{key}/mean"] = sum(numeric) / len(numeric)
+        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        tokens = mask.sum().item() + prompt_len.sum().item()
+        metrics["perf/total_num_tokens"] = tokens * world  # summed over ranks below by the mean * world
+        metrics["perf/throughput"] = tokens / timing["step"]  # tokens/s per rank, as verl reports it
+        metrics["perf/max_memory_allocated_gb"] = (
+            torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        )
+        metrics = reduce_metrics(metrics)
+        metrics["training/epoch"] = epoch
+
+        if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
+            t = time.perf_counter()
+            metrics.update(validate(step))
+            metrics["timing_s/testing"] = time.perf_counter() - t
+        log(step, metrics)
+        if rank == 0:
+            with open(os.path.join(args.out_dir, "samples", "train.jsonl"), "a") as f:
+                for r, text, s in list(zip(samples, texts, scores))[: args.n]:
+                    f.write(json.dumps(dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)) + "\n")
+        bar.set_postfix(
+            policy_loss=f"{metrics['actor/policy_loss']:.4f}", pg_loss=f"{metrics['actor/pg_loss']:.4f}",
+            entropy=f"{metrics['actor/entropy']:.4f}", kl_loss=f"{metrics['actor/kl_loss']:.5f}",
+            adv_mean=f"{metrics['critic/advantages/mean']:.4f}", reward=f"{metrics['critic/score/mean']:.4f}",
+            grad_norm=f"{metrics['actor/grad_norm']:.2f}",
+        )  # fmt: skip
+        bar.update(1)
+        if any(k.startswith("val-core") for k in metrics):
+            bar.write("step {}: {}".format(step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("val-core"))))
+    bar.close()
+
+    # ---------------- save the policy (never the reference) in Hugging Face format
+    if args.save_model:
+        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank)
+    if wandb:
+        wandb.finish()
+    engine.close()  # before destroy_process_group, or vLLM's shutdown fails
+    if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
+        dist.destroy_process_group()
+
+
+def engine_eos_ids(model_path):
+    """The EOS ids in the model's generation config (where chat models list their end-of-turn token)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def all_gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+DEVICE = torch.device("cpu")
+
+if __name__ == "__main__":
+    main()
