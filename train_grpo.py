@@ -62,8 +62,8 @@ class Args:
     """Stop after this many steps (-1: run all epochs)."""
     prompt_batch_size: int = 256
     """Prompts per step, over all ranks (verl's data.train_batch_size)."""
-    n: int = 8
-    """Responses sampled per prompt: the GRPO group size (verl's rollout.n)."""
+    group_size: int = 8
+    """Responses sampled per prompt, n (verl's rollout.n, TRL's num_generations). Not --n: torchrun takes that for its own --nnodes."""
     max_prompt_length: int = 512
     """Longer prompts are dropped from the data, with a printed count."""
     max_response_length: int = 1024
@@ -479,7 +479,7 @@ def main():
 
     if rank == 0 and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
         os.remove(os.path.join(args.out_dir, "metrics.jsonl"))  # a fresh run (resume comes with checkpoint.py)
-    if args.val_before_train and args.test_freq != 0:
+    if args.val_before_train and args.test_freq > 0:
         val = validate(0)
         print0("validation before training: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
         log(0, val)
@@ -489,7 +489,7 @@ def main():
 
     bar = tqdm(total=total_steps, desc="Training Progress", disable=rank != 0, dynamic_ncols=True)
     local_prompts = args.prompt_batch_size // world
-    mini_local = args.mini_batch_size // world * args.n  # sequences per optimizer step on this rank
+    mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size == args.prompt_batch_size
     order = []
     for step in range(1, total_steps + 1):
@@ -507,24 +507,24 @@ def main():
         t = time.perf_counter()
         engine.wake_up()
         out = engine.generate(
-            [r["prompt_ids"] for r in rows], n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            [r["prompt_ids"] for r in rows], n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             max_new_tokens=args.max_response_length, seeds=sampling_seeds(step, rank * local_prompts, len(rows)),
         )  # fmt: skip
         engine.sleep()
         timing["gen"] = time.perf_counter() - t
-        samples = [r for r in rows for _ in range(args.n)]  # prompt-major, like the rollout
+        samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
         # ---- reward
         t = time.perf_counter()
         texts = [decode(ids) for ids in out.response_ids]
         scores, extras = score_responses(
             reward_fn, [r["data_source"] for r in samples], texts, [r["reward_model"]["ground_truth"] for r in samples],
-            [r.get("extra_info") for r in samples], indices=range((first) * args.n, (first + len(rows)) * args.n),
+            [r.get("extra_info") for r in samples], indices=range((first) * args.group_size, (first + len(rows)) * args.group_size),
         )  # fmt: skip
         timing["reward"] = time.perf_counter() - t
 
         # ---- advantages: each prompt's group lives on one rank, so this is local
-        advantages = grpo_advantages(scores, args.n, norm_by_std=args.norm_adv_by_std)  # [N]
+        advantages = grpo_advantages(scores, args.group_size, norm_by_std=args.norm_adv_by_std)  # [N]
         batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id)
         mask = batch["response_mask"]  # [N, R]
         engine_logp = torch.zeros_like(mask)
@@ -579,7 +579,7 @@ def main():
                     weight = world if whole is None else piece / max(whole, 1) * world
                     (loss * weight).backward()
                     stats.append(dict(pg_loss=pg_loss.item(), kl_loss=kl_loss.item(), entropy=entropy.item(), policy_loss=loss.item(),
-                                      **{k: v.item() for k, v in pg_metrics.items()}))  # fmt: skip
+                                      tokens=m.sum().item(), **{k: v.item() for k, v in pg_metrics.items()}))  # fmt: skip
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
                 if math.isfinite(grad_norm):
@@ -602,13 +602,14 @@ def main():
         timing["step"] = time.perf_counter() - t_step
 
         # ---- metrics, verl's names, reduced over ranks
-        def mean_of(key):
-            values = [s[key] for s in stats if key in s]
-            return sum(values) / len(values)
+        def token_mean(key):
+            """A per-micro-batch token mean, averaged over all micro-batches of all ranks by tokens."""
+            return all_sum(sum(s[key] * s["tokens"] for s in stats)) / max(all_sum(sum(s["tokens"] for s in stats)), 1)
 
-        for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "grad_norm"):
-            metrics[f"actor/{key}"] = mean_of(key)
-        metrics["actor/policy_loss"] = mean_of("policy_loss")
+        for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "policy_loss"):
+            metrics[f"actor/{key}"] = token_mean(key)
+        grad_norms = [s["grad_norm"] for s in stats if "grad_norm" in s]  # one per optimizer step, equal on all ranks
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         resp_len = mask.sum(-1)
         prompt_len = torch.tensor([len(r["prompt_ids"]) for r in samples], dtype=torch.float)
         score_t = torch.tensor(scores)
@@ -617,7 +618,7 @@ def main():
         for name, t_ in (("critic/score", score_t), ("critic/advantages", advantages), ("response_length", resp_len), ("prompt_length", prompt_len)):
             metrics.update({f"{name}/mean": t_.mean().item(), f"{name}/max": t_.max().item(), f"{name}/min": t_.min().item()})
         metrics["response_length/clip_ratio"] = float(np.mean(out.truncated))
-        metrics["frac_reward_zero_std"] = zero_std_fraction(scores, args.n)
+        metrics["frac_reward_zero_std"] = zero_std_fraction(scores, args.group_size)
         metrics["training/rollout_probs_diff_max"] = prob_gap.max().item()
         metrics["training/rollout_probs_diff_mean"] = (prob_gap.sum() / mask.sum().clamp(min=1)).item()
         metrics["training/rollout_logprob_diff_max"] = gap.max().item()
@@ -642,7 +643,7 @@ def main():
         log(step, metrics)
         if rank == 0:
             with open(os.path.join(args.out_dir, "samples", "train.jsonl"), "a") as f:
-                for r, text, s in list(zip(samples, texts, scores))[: args.n]:
+                for r, text, s in list(zip(samples, texts, scores))[: args.group_size]:
                     f.write(json.dumps(dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)) + "\n")
         bar.set_postfix(
             policy_loss=f"{metrics['actor/policy_loss']:.4f}", pg_loss=f"{metrics['actor/pg_loss']:.4f}",

@@ -155,3 +155,25 @@ def test_loader_can_skip_bad_rows_with_a_count(tmp_path, capsys):
     assert "1 of 3 rows are invalid" in capsys.readouterr().out
     with pytest.raises(DataError, match="no valid rows"):
         load_dataset(write_rows(tmp_path, [dict(GOOD, prompt=[])], "bad.parquet"), skip_invalid=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the synthetic digits task
+
+
+def test_digits_task_is_deterministic_disjoint_and_varied(tmp_path):
+    data_prep.main(["digits", "--out", str(tmp_path / "a"), "--seed", "3", "--train-size", "3000", "--test-size", "300"])
+    data_prep.write_task(str(tmp_path / "b"), seed=3, train_size=3000, test_size=300)
+    train, test = load_dataset(str(tmp_path / "a" / "train.parquet")), load_dataset(str(tmp_path / "a" / "test.parquet"))
+    assert train == load_dataset(str(tmp_path / "b" / "train.parquet"))  # the same seed, the same rows
+    assert (len(train), len(test)) == (3000, 300)
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    assert len(prompts(train)) == 3000 and not prompts(train) & prompts(test)  # held-out means unseen
+    answers = [r["reward_model"]["ground_truth"] for r in train]
+    assert len(set(answers)) == 10 and max(answers.count(a) for a in set(answers)) / len(answers) < 0.2
+    for row in train[:50]:  # the answer is the digit the prompt asks for
+        words = row["prompt"][0]["content"].split()
+        assert row["reward_model"]["ground_truth"] == (words[1] if words[-1] == "first" else words[-2])
+        assert compute_score(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"]) == 1.0
+    other = data_prep.task_rows("test", 300, seed=4)
+    assert prompts(other) != prompts(test)

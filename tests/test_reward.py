@@ -134,3 +134,12 @@ def test_loading_errors_are_clear(tmp_path):
     path = write(tmp_path, "def score_it(**kw):\n    return 1.0\n")
     with pytest.raises(AttributeError, match="score_it"):  # lists the functions that do exist
         load_reward_fn(path + ":compute_score")
+
+
+def test_digits_score_is_exact():
+    assert compute_score("synthetic/digits", "7", "7") == 1.0
+    assert compute_score("synthetic/digits", " 7 ", "7") == 1.0
+    assert compute_score("synthetic/digits", "7 <pad>", "7") == 0.0  # junk after the answer
+    assert compute_score("synthetic/digits", "7 7 7", "7") == 0.0  # never stopped
+    assert compute_score("synthetic/digits", "3", "7") == 0.0
+    assert compute_score("synthetic/digits", "", "7") == 0.0

@@ -1,0 +1,205 @@
+"""train_grpo.py end to end: the real script under torchrun on CPU with the tiny model.
+
+Slow (each vLLM run starts an engine), so marked; CI runs them all.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a short run of the demo: tiny model, digits task, small batches
+SMALL = ["--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16"]
+
+
+def train(out_dir, *flags, ranks=1, check=True):
+    """Run train_grpo.py under torchrun; returns the completed process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train_grpo.py", "--out-dir", str(out_dir), *flags]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train_grpo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def final_weights(out_dir):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(out_dir, "final_model", "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """The same short run on the vLLM engine with 1 rank and with 2 ranks."""
+    root = tmp_path_factory.mktemp("vllm")
+    for ranks in (1, 2):
+        train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", ranks=ranks)
+    return root
+
+
+VERL_METRICS = [
+    *[f"critic/{k}/{s}" for k in ("score", "advantages") for s in ("mean", "max", "min")],
+    *[f"response_length/{s}" for s in ("mean", "max", "min", "clip_ratio")],
+    *[f"prompt_length/{s}" for s in ("mean", "max", "min")],
+    *[f"actor/{k}" for k in ("pg_loss", "kl_loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl", "lr")],
+    *[f"timing_s/{k}" for k in ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "step")],
+    *[f"perf/{k}" for k in ("throughput", "total_num_tokens", "max_memory_allocated_gb")],
+    "frac_reward_zero_std", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
+    run = vllm_runs / "ranks1"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "val-core/synthetic/digits/reward/mean@1"}  # validation before training
+    for row in rows[1:]:
+        missing = [k for k in VERL_METRICS if k not in row]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert row["training/rollout_logprob_diff_max"] <= 1e-4  # engine and trainer agree (fp32)
+    assert "val-core/synthetic/digits/reward/mean@1" in rows[2]
+    config = json.load(open(run / "config.json"))
+    assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
+    assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
+    # the saved model is the trained policy: it moved away from the initial weights
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(run / "tiny_model").state_dict()
+    trained = final_weights(run)
+    assert any(not torch.equal(trained[k], start[k]) for k in trained)
+
+
+@pytest.mark.slow
+def test_one_and_two_ranks_give_the_same_update(vllm_runs):
+    one, two = metrics(vllm_runs / "ranks1"), metrics(vllm_runs / "ranks2")
+    for a, b in zip(one[1:], two[1:]):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    w1, w2 = final_weights(vllm_runs / "ranks1"), final_weights(vllm_runs / "ranks2")
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=1e-5, rtol=1e-4)
+
+
+CHECK_SAVED_MODEL = textwrap.dedent(
+    """
+    import os, sys, torch
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; without it vLLM on CPU reserves most of RAM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from loss import logprobs_from_logits
+    path = sys.argv[1]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"list 1 2 3 4 5 {d} last"}], add_generation_prompt=True, return_dict=False) for d in range(4)]
+    llm = LLM(model=path, dtype="float32", max_model_len=32, enforce_eager=True, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4, logprobs=0))
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        ids = list(o.outputs[0].token_ids)
+        logits = model(torch.tensor([p + ids])).logits[:, len(p) - 1 : -1]
+        hf = logprobs_from_logits(logits, torch.tensor([ids]))[0]
+        assert ids[0] == int(model(torch.tensor([p])).logits[0, -1].argmax()), "greedy tokens differ"
+        vl = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids)])
+        worst = max(worst, (hf - vl).abs().max().item())
+    print("max logprob gap", worst)
+    assert worst <= 1e-4
+    """
+)
+
+
+@pytest.mark.slow
+def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
+    proc = subprocess.run([sys.executable, "-c", CHECK_SAVED_MODEL, str(vllm_runs / "ranks2" / "final_model")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "max logprob gap" in proc.stdout
+
+
+@pytest.mark.slow
+def test_transformers_engine_off_policy_with_reference_on_two_ranks(tmp_path):
+    # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
+    flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0"]
+    train(tmp_path, *flags, ranks=2)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["timing_s/old_log_prob"] > 0 and rows[1]["timing_s/ref"] > 0
+    assert rows[2]["actor/kl_loss"] > 0  # after one update the policy differs from the reference
+    assert rows[1]["training/rollout_logprob_diff_max"] <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input fails clearly (single process, no engine needed before the failure)
+
+
+def run_plain(tmp_path, *flags):
+    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(tmp_path / "run"), "--rollout", "hf", *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_missing_model_path(tmp_path):
+    proc = run_plain(tmp_path, "--model", str(tmp_path / "no_such_model"))
+    assert proc.returncode != 0 and "no_such_model" in proc.stderr and "no such directory" in proc.stderr
+
+
+@pytest.mark.slow
+def test_unreadable_and_empty_data(tmp_path):
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    proc = run_plain(tmp_path, "--train-data", str(junk))
+    assert proc.returncode != 0 and "junk.parquet: not a readable parquet file" in proc.stderr
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"data_source": pa.array([], pa.string()), "prompt": pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))), "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())]))}), empty)
+    proc = run_plain(tmp_path, "--train-data", str(empty))
+    assert proc.returncode != 0 and "empty.parquet: has no rows" in proc.stderr
+
+
+@pytest.mark.slow
+def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
+    import data_prep
+
+    rows = data_prep.task_rows("train", 8, seed=0)
+    long_row = dict(rows[0], prompt=[{"role": "user", "content": "list " + "1 " * 40 + "last"}])
+    data_prep.write_parquet(rows + [long_row] * 3, str(tmp_path / "mixed.parquet"))
+    flags = ["--train-data", str(tmp_path / "mixed.parquet"), "--max-steps", "1", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "2", "--test-freq", "-1"]
+    proc = run_plain(tmp_path, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train data: dropped 3 of 11 prompts longer than max_prompt_length=32 tokens" in proc.stdout
+    proc = run_plain(tmp_path, "--max-prompt-length", "5")
+    assert proc.returncode != 0 and "every prompt is longer than max_prompt_length=5" in proc.stderr
+
+
+def test_help_documents_every_field():
+    import train_grpo
+
+    proc = subprocess.run([sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    docs = train_grpo.field_docs(train_grpo.Args)
+    import dataclasses
+
+    for f in dataclasses.fields(train_grpo.Args):
+        assert f.name in docs, f"Args.{f.name} has no docstring"
+        assert "--" + f.name.replace("_", "-") in proc.stdout
+
+
+def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
+    import train_grpo
+
+    demo = train_grpo.parse_args([])
+    assert demo.lr == train_grpo.DEMO_OVERRIDES["lr"]
+    assert train_grpo.parse_args(["--lr", "1e-3"]).lr == 1e-3
+    real = train_grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
