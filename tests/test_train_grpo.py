@@ -17,10 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16"]
 
 
-def train(out_dir, *flags, ranks=1, check=True):
+def train(out_dir, *flags, ranks=1, check=True, env=None):
     """Run train_grpo.py under torchrun; returns the completed process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train_grpo.py", "--out-dir", str(out_dir), *flags]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"train_grpo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -126,10 +126,13 @@ def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
 
 
 @pytest.mark.slow
-def test_transformers_engine_off_policy_with_reference_on_two_ranks(tmp_path):
+def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tmp_path):
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
     flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0"]
-    train(tmp_path, *flags, ranks=2)
+    proc = train(tmp_path, *flags, "--wandb-project", "grpo-test", ranks=2, env={"WANDB_MODE": "offline"})
+    # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
+    assert "Run summary" in proc.stdout + proc.stderr and "actor/grad_norm" in proc.stdout + proc.stderr
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["timing_s/old_log_prob"] > 0 and rows[1]["timing_s/ref"] > 0
