@@ -17,7 +17,6 @@ examples do), multi-turn rollouts, sequence packing, and resuming (checkpoint.py
 """
 
 import ast
-import contextlib
 import dataclasses
 import inspect
 import json
@@ -337,6 +336,8 @@ def main():
 
     # ---------------- model and data paths (the demo builds its own, on rank 0)
     if args.model == "tiny":
+        changed = ", ".join(f"{k}={v}" for k, v in DEMO_OVERRIDES.items() if getattr(args, k) == v)
+        print0(f"demo: the tiny model learns from scratch, so these replace verl's fine-tuning defaults: {changed}")
         from tiny_model import build_tiny_model
 
         args.model = os.path.join(args.out_dir, "tiny_model")
@@ -443,6 +444,20 @@ def main():
             ids = ids[:-1]
         return tokenizer.decode(ids, skip_special_tokens=False)
 
+    def score(rows, texts, first):
+        """The reward of each (row, response) pair; `first` numbers the samples in error messages."""
+        return score_responses(
+            reward_fn, [r["data_source"] for r in rows], texts, [r["reward_model"]["ground_truth"] for r in rows],
+            [r.get("extra_info") for r in rows], indices=range(first, first + len(rows)),
+        )  # fmt: skip
+
+    def write_samples(name, step, rows, texts, scores, mode):
+        """Append readable samples to <out-dir>/samples/<name> (rank 0's share)."""
+        with open(os.path.join(args.out_dir, "samples", name), mode) as f:
+            for r, text, s in zip(rows, texts, scores):
+                sample = dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)
+                f.write(json.dumps(sample) + "\n")
+
     # ---------------- validation
     def validate(step):
         per_rank = math.ceil(len(val_rows) / world)
@@ -454,20 +469,14 @@ def main():
         )  # fmt: skip
         engine.sleep()
         texts = [decode(ids) for ids in out.response_ids]
-        scores, _ = score_responses(
-            reward_fn, [r["data_source"] for r in rows], texts, [r["reward_model"]["ground_truth"] for r in rows],
-            [r.get("extra_info") for r in rows], indices=range(rank * per_rank, rank * per_rank + len(rows)),
-        )  # fmt: skip
+        scores, _ = score(rows, texts, first=rank * per_rank)
         sources = sorted({s for part in all_gather([r["data_source"] for r in rows]) for s in part})
         metrics = {}
         for source in sources:
             mine = [s for s, r in zip(scores, rows) if r["data_source"] == source]
             metrics[f"val-core/{source}/reward/mean@1"] = all_sum(sum(mine)) / all_sum(len(mine))
         if rank == 0:
-            with open(os.path.join(args.out_dir, "samples", f"val_step_{step}.jsonl"), "w") as f:
-                for r, text, s in list(zip(rows, texts, scores))[:20]:
-                    prompt = tokenizer.decode(r["prompt_ids"])
-                    f.write(json.dumps(dict(step=step, prompt=prompt, response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)) + "\n")
+            write_samples(f"val_step_{step}.jsonl", step, rows[:20], texts, scores, "w")
         return metrics
 
     def log(step, metrics):
@@ -517,10 +526,7 @@ def main():
         # ---- reward
         t = time.perf_counter()
         texts = [decode(ids) for ids in out.response_ids]
-        scores, extras = score_responses(
-            reward_fn, [r["data_source"] for r in samples], texts, [r["reward_model"]["ground_truth"] for r in samples],
-            [r.get("extra_info") for r in samples], indices=range((first) * args.group_size, (first + len(rows)) * args.group_size),
-        )  # fmt: skip
+        scores, extras = score(samples, texts, first=first * args.group_size)
         timing["reward"] = time.perf_counter() - t
 
         # ---- advantages: each prompt's group lives on one rank, so this is local
@@ -628,7 +634,7 @@ def main():
                 metrics[f"reward_extra/{key}/mean"] = sum(numeric) / len(numeric)
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         tokens = mask.sum().item() + prompt_len.sum().item()
-        metrics["perf/total_num_tokens"] = tokens * world  # summed over ranks below by the mean * world
+        metrics["perf/total_num_tokens"] = all_sum(tokens)  # prompt + response tokens, all ranks
         metrics["perf/throughput"] = tokens / timing["step"]  # tokens/s per rank, as verl reports it
         metrics["perf/max_memory_allocated_gb"] = (
             torch.cuda.max_memory_allocated() / 2**30 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -641,10 +647,8 @@ def main():
             metrics.update(validate(step))
             metrics["timing_s/testing"] = time.perf_counter() - t
         log(step, metrics)
-        if rank == 0:
-            with open(os.path.join(args.out_dir, "samples", "train.jsonl"), "a") as f:
-                for r, text, s in list(zip(samples, texts, scores))[: args.group_size]:
-                    f.write(json.dumps(dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)) + "\n")
+        if rank == 0:  # the first prompt's group
+            write_samples("train.jsonl", step, samples[: args.group_size], texts, scores, "a")
         bar.set_postfix(
             policy_loss=f"{metrics['actor/policy_loss']:.4f}", pg_loss=f"{metrics['actor/pg_loss']:.4f}",
             entropy=f"{metrics['actor/entropy']:.4f}", kl_loss=f"{metrics['actor/kl_loss']:.5f}",

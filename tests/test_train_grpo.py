@@ -42,7 +42,8 @@ def vllm_runs(tmp_path_factory):
     """The same short run on the vLLM engine with 1 rank and with 2 ranks."""
     root = tmp_path_factory.mktemp("vllm")
     for ranks in (1, 2):
-        train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", ranks=ranks)
+        proc = train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", ranks=ranks)
+        (root / f"ranks{ranks}.log").write_text(proc.stdout)
     return root
 
 
@@ -68,6 +69,7 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert row["training/rollout_logprob_diff_max"] <= 1e-4  # engine and trainer agree (fp32)
     assert "val-core/synthetic/digits/reward/mean@1" in rows[2]
+    assert "demo: the tiny model learns from scratch" in (vllm_runs / "ranks1.log").read_text()
     config = json.load(open(run / "config.json"))
     assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
     assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
@@ -128,7 +130,8 @@ def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
 @pytest.mark.slow
 def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tmp_path):
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
-    flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0"]
+    flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
+             "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1"]  # fmt: skip
     proc = train(tmp_path, *flags, "--wandb-project", "grpo-test", ranks=2, env={"WANDB_MODE": "offline"})
     # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
@@ -138,6 +141,9 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tm
     assert rows[1]["timing_s/old_log_prob"] > 0 and rows[1]["timing_s/ref"] > 0
     assert rows[2]["actor/kl_loss"] > 0  # after one update the policy differs from the reference
     assert rows[1]["training/rollout_logprob_diff_max"] <= 1e-4
+    # cosine from the peak towards 10% of it over 2 steps: step 2 is halfway, 0.1 + 0.9 * (1 + cos(pi/2)) / 2
+    assert rows[1]["actor/lr"] == pytest.approx(5e-4) and rows[2]["actor/lr"] == pytest.approx(5e-4 * 0.55)
+    assert rows[1]["perf/total_num_tokens"] == rows[1]["prompt_length/mean"] * 32 + rows[1]["response_length/mean"] * 32
 
 
 # ----------------------------------------------------------------------------------------------
