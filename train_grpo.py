@@ -8,12 +8,12 @@ Every step: sample a global batch of prompts (sharded over ranks) -> generate n 
 prompt with the rollout engine -> score them -> group-normalized advantages -> old log-probs
 (recomputed by the trainer) and reference log-probs -> ppo_epochs x mini-batches x micro-batches
 of the clipped surrogate + KL loss -> AdamW step -> copy the new weights into the engine ->
-log -> validate -> save.
+log -> validate -> checkpoint. After a crash, the same command resumes exactly (checkpoint.py).
 
 What is kept from verl's GRPO: its data schema, formulas (loss.py, advantage.py), defaults
 (clip 0.2, k3 KL loss with coefficient 0.001, token-mean, lr 1e-6) and metric names. What is
 dropped: a critic (GRPO needs none), KL in the reward (we use the KL loss, as verl's GRPO
-examples do), multi-turn rollouts, sequence packing, and resuming (checkpoint.py comes next).
+examples do), multi-turn rollouts and sequence packing.
 """
 
 import ast
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import data_prep
 from advantage import grpo_advantages, zero_std_fraction
 from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
@@ -135,6 +136,14 @@ class Args:
     """Weights & Biases run name."""
     save_model: bool = True
     """Save the final policy in Hugging Face format to <out-dir>/final_model."""
+    save_freq: int = 50
+    """Checkpoint every this many steps and after the last one (-1: no checkpoints)."""
+    max_ckpt_to_keep: int = -1
+    """Keep only the newest this many checkpoints (-1: all); older ones go once a newer one is complete."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
 
 
 # The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
@@ -287,19 +296,12 @@ def full_parameters(model, dtype):
 
 
 def save_hf(model, tokenizer, out_dir, rank):
-    """Gather the full state dict to rank 0's CPU and write safetensors + config + tokenizer."""
+    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        with torch.device("meta"):  # an unsharded skeleton of the same class, filled with the gathered weights
-            plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-        plain.load_state_dict(state, assign=True, strict=False)
-        plain.tie_weights()
-        plain.generation_config = model.generation_config
-        plain.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir)
         print0(f"saved the policy to {out_dir}")
     dist.barrier()
 
@@ -479,16 +481,37 @@ def main():
             write_samples(f"val_step_{step}.jsonl", step, rows[:20], texts, scores, "w")
         return metrics
 
+    history = []  # every logged row; checkpoints carry it, so a resumed run's metrics.jsonl is whole
+
     def log(step, metrics):
+        history.append(dict(step=step, **metrics))
         if rank == 0:
             with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(dict(step=step, **metrics)) + "\n")
+                f.write(json.dumps(history[-1]) + "\n")
             if wandb:
                 wandb.log(metrics, step=step)
 
-    if rank == 0 and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
-        os.remove(os.path.join(args.out_dir, "metrics.jsonl"))  # a fresh run (resume comes with checkpoint.py)
-    if args.val_before_train and args.test_freq > 0:
+    # ---------------- resume: the newest complete checkpoint, unless told otherwise
+    checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
+    start_step = 0
+    resume_from = checkpoint.find_checkpoint(args.out_dir, args.resume)
+    if resume_from:
+        state = checkpoint.load(resume_from, policy, optimizer, dataclasses.asdict(args))
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, history = state["step"], state["metrics"]
+        engine.wake_up()
+        engine.update_weights(full_parameters(policy, engine_torch_dtype))
+        engine.sleep()
+        print0(f"resumed from {resume_from} at step {start_step}")
+    if rank == 0:  # rewrite the run's files to what the checkpoint knows; later rows are redone
+        with open(os.path.join(args.out_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in history)
+        train_samples = os.path.join(args.out_dir, "samples", "train.jsonl")
+        if os.path.exists(train_samples):
+            kept = [line for line in open(train_samples) if json.loads(line)["step"] <= start_step]
+            with open(train_samples, "w") as f:
+                f.writelines(kept)
+    if args.val_before_train and args.test_freq > 0 and start_step == 0:
         val = validate(0)
         print0("validation before training: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
         log(0, val)
@@ -496,19 +519,20 @@ def main():
     # ---------------- the loop
     from tqdm import tqdm
 
-    bar = tqdm(total=total_steps, desc="Training Progress", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=start_step, desc="Training Progress", disable=rank != 0, dynamic_ncols=True)
     local_prompts = args.prompt_batch_size // world
     mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size == args.prompt_batch_size
-    order = []
-    for step in range(1, total_steps + 1):
+    order, order_epoch = [], None
+    for step in range(start_step + 1, total_steps + 1):
         t_step = time.perf_counter()
         timing, metrics = {}, {}
 
         # ---- the prompts of this step: a global batch from a seeded shuffle, this rank's share
         epoch, index_in_epoch = divmod(step - 1, steps_per_epoch)
-        if index_in_epoch == 0:
+        if epoch != order_epoch:  # the order is a function of (seed, epoch): nothing to save for resume
             order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+            order_epoch = epoch
         first = index_in_epoch * args.prompt_batch_size + rank * local_prompts
         rows = [train_rows[i] for i in order[first : first + local_prompts]]
 
@@ -521,6 +545,7 @@ def main():
         )  # fmt: skip
         engine.sleep()
         timing["gen"] = time.perf_counter() - t
+        checkpoint.crash_point("rollout", step)
         samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
         # ---- reward
@@ -584,6 +609,7 @@ def main():
                     piece = agg_denominator(m, args.loss_agg)
                     weight = world if whole is None else piece / max(whole, 1) * world
                     (loss * weight).backward()
+                    checkpoint.crash_point("update", step)
                     stats.append(dict(pg_loss=pg_loss.item(), kl_loss=kl_loss.item(), entropy=entropy.item(), policy_loss=loss.item(),
                                       tokens=m.sum().item(), **{k: v.item() for k, v in pg_metrics.items()}))  # fmt: skip
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
@@ -658,7 +684,14 @@ def main():
         bar.update(1)
         if any(k.startswith("val-core") for k in metrics):
             bar.write("step {}: {}".format(step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("val-core"))))
+
+        # ---- checkpoint: everything needed to continue this run exactly
+        if checkpointer and (step % args.save_freq == 0 or step == total_steps):
+            trainer_state = dict(scheduler=scheduler.state_dict(), config=dataclasses.asdict(args), metrics=history)
+            checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
     bar.close()
+    if checkpointer:
+        checkpointer.wait()  # a background save must finish before we exit
 
     # ---------------- save the policy (never the reference) in Hugging Face format
     if args.save_model:

@@ -1,0 +1,167 @@
+"""checkpoint.py: real runs killed with SIGKILL at different points resume to exactly the run that
+would have happened; partial and corrupt checkpoints are skipped; export loads in transformers."""
+
+import json
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 4 short steps on the transformers engine (fast to start), a checkpoint after every step
+RUN = ["--max-steps", "4", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16", "--save-freq", "1"]
+COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean", "actor/lr"]
+
+
+def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf"):
+    env = dict(os.environ)
+    env.pop("GRPO_CRASH_AT", None)
+    if crash_at:
+        env["GRPO_CRASH_AT"] = crash_at
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train_grpo.py",
+           "--out-dir", str(out_dir), "--rollout", engine, *RUN, *flags]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    if crash_at:
+        assert proc.returncode != 0, "the run was meant to die"
+    elif proc.returncode != 0:
+        raise AssertionError(f"train_grpo.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def assert_same_run(a, b):
+    """The same metrics at every step and the same final weights, exactly."""
+    rows_a = [json.loads(line) for line in open(os.path.join(a, "metrics.jsonl"))]
+    rows_b = [json.loads(line) for line in open(os.path.join(b, "metrics.jsonl"))]
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == [0, 1, 2, 3, 4]
+    for x, y in zip(rows_a, rows_b):
+        for key in COMPARED:
+            assert x.get(key) == y.get(key), f"step {x['step']}: {key} {x.get(key)} != {y.get(key)}"
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(os.path.join(a, "final_model", "model.safetensors")), load_file(os.path.join(b, "final_model", "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    """Uninterrupted runs to compare against: 1 rank and 2 ranks on the transformers engine."""
+    root = tmp_path_factory.mktemp("baseline")
+    train(root / "ranks1")
+    train(root / "ranks2", "--max-ckpt-to-keep", "2", ranks=2)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_at", ["rollout:3", "update:3", "save:2"])
+def test_killed_run_resumes_exactly_one_rank(baselines, tmp_path, crash_at):
+    train(tmp_path, crash_at=crash_at)
+    step = int(open(tmp_path / checkpoint.TRACKER).read())
+    assert step == (1 if crash_at == "save:2" else 2)  # a save that died never became the latest
+    assert not os.path.exists(checkpoint.step_dir(tmp_path, 2)) or crash_at != "save:2"
+    proc = train(tmp_path)  # the same command again
+    assert f"resumed from {checkpoint.step_dir(tmp_path, step)} at step {step}" in proc.stdout
+    assert ("a checkpoint a crash left unfinished" in proc.stdout) == (crash_at == "save:2")
+    assert not [d for d in os.listdir(tmp_path) if d.endswith(".tmp")]
+    assert_same_run(baselines / "ranks1", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_at", ["update:3", "save:3"])
+def test_killed_run_resumes_exactly_two_ranks(baselines, tmp_path, crash_at):
+    train(tmp_path, "--max-ckpt-to-keep", "2", ranks=2, crash_at=crash_at)
+    train(tmp_path, "--max-ckpt-to-keep", "2", ranks=2)
+    assert_same_run(baselines / "ranks2", tmp_path)
+    assert sorted(checkpoint.saved_steps(tmp_path)) == [3, 4]  # retention kept the newest two
+
+
+@pytest.mark.slow
+def test_killed_vllm_run_resumes_exactly(tmp_path):
+    train(tmp_path / "whole", engine="vllm")
+    train(tmp_path / "killed", engine="vllm", crash_at="update:3")
+    train(tmp_path / "killed", engine="vllm")
+    assert_same_run(tmp_path / "whole", tmp_path / "killed")
+
+
+@pytest.mark.slow
+def test_async_save_killed_before_it_completed(baselines, tmp_path):
+    # with --async-save, step 2's checkpoint is completed during step 3's save: die right there
+    train(tmp_path, "--async-save", crash_at="save:2")
+    assert open(tmp_path / checkpoint.TRACKER).read() == "1"
+    train(tmp_path, "--async-save")
+    assert_same_run(baselines / "ranks1", tmp_path)
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(baselines, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baselines / "ranks1", run)
+    shard = run / "global_step_4" / "shards" / "__0_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(SystemExit, match="global_step_4: cannot resume from it: shard __0_0.distcp is missing or truncated"):
+        checkpoint.find_checkpoint(str(run), str(run / "global_step_4"))
+    proc = train(run)  # auto: skips step 4, reports why, redoes step 4 from step 3
+    assert "skipping" in proc.stdout and "truncated" in proc.stdout
+    assert f"resumed from {checkpoint.step_dir(run, 3)} at step 3" in proc.stdout
+    assert_same_run(baselines / "ranks1", run)
+
+
+@pytest.mark.slow
+def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baselines / "ranks1", run)
+    import data_prep
+    from tiny_model import build_tiny_model
+
+    other = build_tiny_model(str(tmp_path / "other_model"), data_prep.TASK_WORDS, layers=3)
+    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *RUN, "--model", other]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "incompatible run: the model differs in num_hidden_layers: 2 there, 3 now" in proc.stderr
+    proc = train(run, "--resume", "never")
+    assert "resumed from" not in proc.stdout
+    assert_same_run(baselines / "ranks1", run)
+
+
+@pytest.mark.slow
+def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
+    out = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(baselines / "ranks2" / "global_step_4"), str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(baselines / "ranks2" / "final_model").state_dict()
+    assert all(torch.equal(exported[k], final[k]) for k in final)  # saved by 2 ranks, exported by 1 process
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.apply_chat_template([{"role": "user", "content": "list 1"}], add_generation_prompt=True, tokenize=False).endswith("<|assistant|>")
+    assert os.path.isfile(out / "generation_config.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_checkpoint_index_unpickler_refuses_anything_else(tmp_path):
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(Exploit(), f)
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        checkpoint._MetadataUnpickler(open(tmp_path / ".metadata", "rb")).load()
+
+
+def test_rng_state_round_trips_through_json():
+    state = json.loads(json.dumps(checkpoint.rng_state()))
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
