@@ -687,7 +687,7 @@ def main():
 
         # ---- checkpoint: everything needed to continue this run exactly
         if checkpointer and (step % args.save_freq == 0 or step == total_steps):
-            trainer_state = dict(scheduler=scheduler.state_dict(), config=dataclasses.asdict(args), metrics=history)
+            trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=dataclasses.asdict(args), metrics=history)
             checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
     bar.close()
     if checkpointer:

@@ -140,6 +140,10 @@ def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     final = AutoModelForCausalLM.from_pretrained(baselines / "ranks2" / "final_model").state_dict()
     assert all(torch.equal(exported[k], final[k]) for k in final)  # saved by 2 ranks, exported by 1 process
+    from test_train_grpo import CHECK_SAVED_MODEL  # greedy tokens and log-probs agree in transformers and vLLM
+
+    proc = subprocess.run([sys.executable, "-c", CHECK_SAVED_MODEL, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.apply_chat_template([{"role": "user", "content": "list 1"}], add_generation_prompt=True, tokenize=False).endswith("<|assistant|>")
     assert os.path.isfile(out / "generation_config.json")
@@ -165,3 +169,15 @@ def test_rng_state_round_trips_through_json():
     first = (random.random(), np.random.rand(), torch.rand(1).item())
     checkpoint.set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_on_one_rank(baselines, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baselines / "ranks2", run)
+    proc = train(run, "--max-steps", "5", "--max-ckpt-to-keep", "2")  # one more step, on one rank
+    assert "saved with 2 ranks, now 1: weights reshard" in proc.stdout
+    assert f"resumed from {checkpoint.step_dir(run, 4)} at step 4" in proc.stdout
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert json.load(open(run / "global_step_5" / "trainer_state.json"))["world_size"] == 1
