@@ -1,0 +1,170 @@
+"""Evaluation: verl's validation metrics, and a standalone evaluator for any Hugging Face model.
+
+    python eval.py --model runs/grpo/final_model --data runs/grpo/data/test.parquet --n 8 --temperature 0.6
+    torchrun --nproc_per_node=2 eval.py --model ... --data ... --samples 8   # the data is split over ranks
+
+Per data source, over each prompt's n samples (then averaged over prompts):
+    mean@n                 the average score
+    std@n                  the standard deviation of the n scores
+    best@k / worst@k       the expected max / min score of k samples drawn from the n (bootstrap,
+                           fixed seed), for k = 2, 4, 8, ... up to n; reported as /mean and /std
+    maj@k                  the score of the majority answer among k samples, when the reward returns
+                           a "pred" to vote on (verl's convention)
+    pass@k                 unbiased pass@k of Chen et al. (2021): 1 - C(n-c, k) / C(n, k), c = samples
+                           with full score
+Names follow verl: val-core/<data_source>/reward/mean@n (the headline), val-aux/... for the rest.
+"""
+
+import argparse
+import json
+import math
+import os
+from collections import Counter, defaultdict
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------------
+# Metrics of one prompt's n samples
+
+
+def pass_at_k(n, c, k):
+    """Unbiased estimate of P(at least one of k samples is correct) from c correct out of n."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def bootstrap(values, k, reduce, n_boot=1000, seed=42):
+    """Mean and std over bootstrap draws of `reduce` applied to k of the values (with replacement)."""
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(values), size=(n_boot, k))  # [n_boot, k] indices
+    results = [reduce([values[i] for i in row]) for row in draws]
+    return float(np.mean(results)), float(np.std(results))
+
+
+def majority(scores, preds):
+    """The score of the most common prediction (ties: the first seen)."""
+    winner = Counter(preds).most_common(1)[0][0]
+    return scores[preds.index(winner)]
+
+
+def sample_sizes(n):
+    """k = 2, 4, 8, ... below n, then n itself."""
+    ks, k = [], 2
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n] if n > 1 else []
+
+
+def prompt_metrics(scores, preds=None, full_score=1.0, seed=42):
+    """Every metric of one prompt's n samples, as {name: value}."""
+    n = len(scores)
+    out = {f"mean@{n}": float(np.mean(scores))}
+    if n > 1:
+        out[f"std@{n}"] = float(np.std(scores))
+    correct = sum(s >= full_score for s in scores)
+    for k in sample_sizes(n):
+        out[f"best@{k}/mean"], out[f"best@{k}/std"] = bootstrap(scores, k, max, seed=seed)
+        out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = bootstrap(scores, k, min, seed=seed)
+        if preds is not None:
+            pairs = list(zip(scores, preds))
+            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = bootstrap(
+                pairs, k, lambda picked: majority([s for s, _ in picked], [p for _, p in picked]), seed=seed
+            )
+    for k in [1] + sample_sizes(n):
+        out[f"pass@{k}"] = pass_at_k(n, correct, k)
+    return out
+
+
+def validation_metrics(data_sources, scores, group_size, preds=None, seed=42):
+    """verl-named metrics per data source from prompt-major samples (each prompt's n adjacent)."""
+    by_source = defaultdict(list)
+    for i in range(0, len(scores), group_size):
+        group_preds = None if preds is None else preds[i : i + group_size]
+        by_source[data_sources[i]].append(prompt_metrics(scores[i : i + group_size], group_preds, seed=seed))
+    metrics = {}
+    for source, rows in sorted(by_source.items()):
+        for name in rows[0]:
+            section = "val-core" if name == f"mean@{group_size}" else "val-aux"
+            metrics[f"{section}/{source}/reward/{name}"] = float(np.mean([r[name] for r in rows]))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Standalone evaluation
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="Hugging Face model directory or hub id")
+    parser.add_argument("--data", required=True, help="parquet in verl's schema")
+    parser.add_argument("--n", "--samples", dest="n", type=int, default=1, help="samples per prompt (under torchrun write --samples: torchrun takes --n for itself)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="maximum response length")
+    parser.add_argument("--max-prompts", type=int, default=-1, help="evaluate at most this many prompts (-1: all)")
+    parser.add_argument("--rollout", default="auto", help="vllm, hf or auto")
+    parser.add_argument("--reward-fn", default="", help="path/to/file.py:function_name; empty: reward.compute_score")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    parser.add_argument("--out", default="", help="write the metrics as JSON here (default: eval_<data name>.json beside the model if it is a directory)")
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    import data_prep
+    from reward import compute_score, load_reward_fn, score_responses
+    from rollout import make_engine
+
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rows = data_prep.load_dataset(args.data)
+    if args.max_prompts > 0:
+        rows = rows[: args.max_prompts]
+    per_rank = math.ceil(len(rows) / world)
+    first = rank * per_rank
+    mine = rows[first : first + per_rank]
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in mine]
+    max_len = max(map(len, prompts), default=0) + args.max_new_tokens
+    engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed)
+    out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                          seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))])  # fmt: skip
+    engine.close()
+
+    eos = tokenizer.eos_token_id
+    texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False) for ids in out.response_ids]
+    samples = [r for r in mine for _ in range(args.n)]
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
+    scores, extras = score_responses(
+        reward_fn, [r["data_source"] for r in samples], texts, [r["reward_model"]["ground_truth"] for r in samples],
+        [r.get("extra_info") for r in samples], indices=range(first * args.n, (first + len(mine)) * args.n),
+    )  # fmt: skip
+    local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
+    if distributed:
+        parts = [None] * world
+        dist.all_gather_object(parts, local)
+        local = dict(
+            sources=sum((p["sources"] for p in parts), []),
+            scores=sum((p["scores"] for p in parts), []),
+            preds=None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), []),
+        )
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return
+    metrics = validation_metrics(local["sources"], local["scores"], args.n, local["preds"], seed=args.seed)
+    width = max(map(len, metrics))
+    print("\n".join(f"{k:{width}s}  {v:.4f}" for k, v in metrics.items()))
+    path = args.out or (os.path.join(args.model, f"eval_{os.path.splitext(os.path.basename(args.data))[0]}.json") if os.path.isdir(args.model) else "eval.json")
+    with open(path, "w") as f:
+        json.dump(dict(model=args.model, data=args.data, n=args.n, temperature=args.temperature, prompts=len(rows), metrics=metrics), f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

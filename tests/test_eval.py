@@ -1,0 +1,77 @@
+"""eval.py: the validation metrics on hand-computed cases, and the standalone evaluator end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eval import bootstrap, majority, pass_at_k, prompt_metrics, sample_sizes, validation_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pass_at_k_matches_the_binomial_formula():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+    for n, c, k in [(10, 3, 4), (16, 5, 8), (7, 2, 3)]:
+        assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+
+
+def test_bootstrap_best_and_worst_of_k():
+    # max of 2 draws from {0, 1} is 1 unless both are 0: 3/4; min is 1 only if both are 1: 1/4
+    assert bootstrap([0.0, 1.0], 2, max, n_boot=20000)[0] == pytest.approx(0.75, abs=0.02)
+    assert bootstrap([0.0, 1.0], 2, min, n_boot=20000)[0] == pytest.approx(0.25, abs=0.02)
+    assert bootstrap([0.0, 1.0], 2, max) == bootstrap([0.0, 1.0], 2, max)  # fixed seed
+
+
+def test_majority_vote_and_sample_sizes():
+    assert majority([1.0, 1.0, 0.0], ["a", "a", "b"]) == 1.0
+    assert majority([0.0, 1.0, 0.0], ["7", "8", "7"]) == 0.0
+    assert sample_sizes(8) == [2, 4, 8] and sample_sizes(6) == [2, 4, 6] and sample_sizes(1) == []
+
+
+def test_prompt_metrics_of_a_known_group():
+    m = prompt_metrics([1.0, 0.0, 0.0, 1.0], preds=["5", "3", "3", "5"])
+    assert m["mean@4"] == 0.5 and m["std@4"] == 0.5
+    assert m["pass@1"] == 0.5 and m["pass@2"] == pytest.approx(1 - 1 / 6) and m["pass@4"] == 1.0
+    assert m["best@4/mean"] >= m["best@2/mean"] >= m["mean@4"] >= m["worst@2/mean"] >= m["worst@4/mean"]
+    assert set(m) >= {"maj@2/mean", "maj@4/mean", "best@2/std", "worst@4/std"}
+
+
+def test_validation_metrics_are_named_like_verl_and_split_by_source():
+    sources = ["a"] * 4 + ["b"] * 4
+    metrics = validation_metrics(sources, [1, 1, 0, 0, 0, 0, 0, 0], group_size=2)
+    assert metrics["val-core/a/reward/mean@2"] == 0.5  # prompt 1 all right, prompt 2 all wrong
+    assert metrics["val-core/b/reward/mean@2"] == 0.0
+    assert metrics["val-aux/a/reward/pass@2"] == 0.5
+    assert all(k.startswith(("val-core/", "val-aux/")) for k in metrics)
+    assert [k for k in metrics if k.startswith("val-core")] == ["val-core/a/reward/mean@2", "val-core/b/reward/mean@2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_eval_setup(tmp_path_factory):
+    import data_prep
+    from tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("eval")
+    data_prep.write_task(str(root / "data"), seed=0, train_size=10, test_size=12)
+    return root, build_tiny_model(str(root / "model"), data_prep.TASK_WORDS)
+
+
+@pytest.mark.slow
+def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
+    root, model = tiny_eval_setup
+    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--temperature", "1.0", "--max-new-tokens", "4", "--rollout", "hf"]
+    one = subprocess.run([sys.executable, "eval.py", *args, "--n", "4", "--out", str(root / "one.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "val-core/synthetic/digits/reward/mean@4" in one.stdout
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "eval.py", *args, "--samples", "4", "--out", str(root / "two.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.load(open(root / "one.json")), json.load(open(root / "two.json"))
+    assert a["prompts"] == 12 and a["metrics"] == b["metrics"]  # per-prompt seeds: the split does not matter
+    assert {"val-aux/synthetic/digits/reward/pass@4", "val-aux/synthetic/digits/reward/best@2/mean"} <= set(a["metrics"])
