@@ -35,10 +35,11 @@ def pass_at_k(n, c, k):
 
 
 def bootstrap(values, k, reduce, n_boot=1000, seed=42):
-    """Mean and std over bootstrap draws of `reduce` applied to k of the values (with replacement)."""
+    """Mean and std of `reduce` over n_boot draws of k values (with replacement), fixed seed.
+    `reduce` maps the [n_boot, k] array of drawn values to [n_boot] results."""
     rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(values), size=(n_boot, k))  # [n_boot, k] indices
-    results = [reduce([values[i] for i in row]) for row in draws]
+    draws = np.asarray(values)[rng.integers(0, len(values), size=(n_boot, k))]  # [n_boot, k]
+    results = reduce(draws)
     return float(np.mean(results)), float(np.std(results))
 
 
@@ -65,13 +66,11 @@ def prompt_metrics(scores, preds=None, full_score=1.0, seed=42):
         out[f"std@{n}"] = float(np.std(scores))
     correct = sum(s >= full_score for s in scores)
     for k in sample_sizes(n):
-        out[f"best@{k}/mean"], out[f"best@{k}/std"] = bootstrap(scores, k, max, seed=seed)
-        out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = bootstrap(scores, k, min, seed=seed)
-        if preds is not None:
-            pairs = list(zip(scores, preds))
-            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = bootstrap(
-                pairs, k, lambda picked: majority([s for s, _ in picked], [p for _, p in picked]), seed=seed
-            )
+        out[f"best@{k}/mean"], out[f"best@{k}/std"] = bootstrap(scores, k, lambda d: d.max(1), seed=seed)
+        out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = bootstrap(scores, k, lambda d: d.min(1), seed=seed)
+        if preds is not None:  # draw sample indices, vote among their predictions
+            vote = lambda d: np.array([majority([scores[i] for i in row], [preds[i] for i in row]) for row in d])  # noqa: E731
+            out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = bootstrap(list(range(n)), k, vote, seed=seed)
     for k in [1] + sample_sizes(n):
         out[f"pass@{k}"] = pass_at_k(n, correct, k)
     return out
@@ -131,6 +130,12 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in mine]
     max_len = max(map(len, prompts), default=0) + args.max_new_tokens
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if limit and max_len > limit:  # responses stop at the model's context length instead
+        print(f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, so responses stop there")
+        max_len = limit
     engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed)
     out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                           seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))])  # fmt: skip

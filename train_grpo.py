@@ -36,6 +36,7 @@ import torch.distributed as dist
 import checkpoint
 import data_prep
 from advantage import grpo_advantages, zero_std_fraction
+from eval import validation_metrics
 from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 from reward import compute_score, load_reward_fn, score_responses
 
@@ -130,6 +131,12 @@ class Args:
     """Validation sampling temperature (0: greedy)."""
     val_max_prompts: int = -1
     """Validate on at most this many prompts (-1: all)."""
+    val_n: int = 1
+    """Validation samples per prompt: mean@n headlines, with std@n, best@k, worst@k, maj@k, pass@k (eval.py)."""
+    early_stop_metric: str = ""
+    """Stop when this validation metric (e.g. val-core/openai/gsm8k/reward/mean@1) stops improving; empty: off."""
+    early_stop_patience: int = 3
+    """Validations without improvement before stopping; the best policy is saved to <out-dir>/best_model."""
     wandb_project: str = ""
     """Log to this Weights & Biases project (WANDB_MODE=offline works without network); empty: off."""
     wandb_run_name: str = ""
@@ -462,24 +469,44 @@ def main():
 
     # ---------------- validation
     def validate(step):
+        """Sample val_n responses per validation prompt (greedy by default); verl's val metrics."""
         per_rank = math.ceil(len(val_rows) / world)
         rows = val_rows[rank * per_rank : (rank + 1) * per_rank]
         engine.wake_up()
         out = engine.generate(
-            [r["prompt_ids"] for r in rows], n=1, temperature=args.val_temperature, max_new_tokens=args.max_response_length,
+            [r["prompt_ids"] for r in rows], n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length,
             seeds=sampling_seeds(-1, rank * per_rank, len(rows)),
         )  # fmt: skip
         engine.sleep()
+        samples = [r for r in rows for _ in range(args.val_n)]
         texts = [decode(ids) for ids in out.response_ids]
-        scores, _ = score(rows, texts, first=rank * per_rank)
-        sources = sorted({s for part in all_gather([r["data_source"] for r in rows]) for s in part})
-        metrics = {}
-        for source in sources:
-            mine = [s for s, r in zip(scores, rows) if r["data_source"] == source]
-            metrics[f"val-core/{source}/reward/mean@1"] = all_sum(sum(mine)) / all_sum(len(mine))
+        scores, extras = score(samples, texts, first=rank * per_rank * args.val_n)
+        # every rank gets every score (they are small), so every rank computes the same metrics
+        parts = all_gather(dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred")))
+        preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
+        metrics = validation_metrics(sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), []), args.val_n, preds, seed=args.seed)
         if rank == 0:
-            write_samples(f"val_step_{step}.jsonl", step, rows[:20], texts, scores, "w")
+            write_samples(f"val_step_{step}.jsonl", step, samples[:20], texts, scores, "w")
         return metrics
+
+    def should_stop(history):
+        """Early stopping from the metric history alone (so a resumed run decides the same way):
+        True when the metric has not improved for early_stop_patience validations."""
+        values = [(row["step"], row[args.early_stop_metric]) for row in history if args.early_stop_metric in row]
+        if not values:
+            return False
+        best_at = max(range(len(values)), key=lambda i: (values[i][1], -i))  # the first time the best was reached
+        return len(values) - 1 - best_at >= args.early_stop_patience
+
+    def after_validation(step, metrics):
+        """Check the early-stopping metric exists; save the policy whenever it is the best so far."""
+        if not args.early_stop_metric:
+            return
+        if args.early_stop_metric not in metrics:
+            raise SystemExit(f"--early-stop-metric {args.early_stop_metric}: no such validation metric; there are {sorted(metrics)}")
+        previous = [row[args.early_stop_metric] for row in history[:-1] if args.early_stop_metric in row]
+        if not previous or metrics[args.early_stop_metric] > max(previous):
+            save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank)
 
     history = []  # every logged row; checkpoints carry it, so a resumed run's metrics.jsonl is whole
 
@@ -513,8 +540,9 @@ def main():
                 f.writelines(kept)
     if args.val_before_train and args.test_freq > 0 and start_step == 0:
         val = validate(0)
-        print0("validation before training: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items()))
+        print0("validation before training: " + ", ".join(f"{k}={v:.4f}" for k, v in val.items() if k.startswith("val-core")))
         log(0, val)
+        after_validation(0, val)
 
     # ---------------- the loop
     from tqdm import tqdm
@@ -673,6 +701,9 @@ def main():
             metrics.update(validate(step))
             metrics["timing_s/testing"] = time.perf_counter() - t
         log(step, metrics)
+        if any(k.startswith("val-") for k in metrics):
+            after_validation(step, metrics)
+        stop = args.early_stop_metric and should_stop(history)
         if rank == 0:  # the first prompt's group
             write_samples("train.jsonl", step, samples[: args.group_size], texts, scores, "a")
         bar.set_postfix(
@@ -686,9 +717,12 @@ def main():
             bar.write("step {}: {}".format(step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("val-core"))))
 
         # ---- checkpoint: everything needed to continue this run exactly
-        if checkpointer and (step % args.save_freq == 0 or step == total_steps):
+        if checkpointer and (step % args.save_freq == 0 or step == total_steps or stop):
             trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=dataclasses.asdict(args), metrics=history)
             checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
+        if stop:
+            bar.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {args.early_stop_patience} validations")
+            break
     bar.close()
     if checkpointer:
         checkpointer.wait()  # a background save must finish before we exit

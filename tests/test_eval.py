@@ -23,9 +23,10 @@ def test_pass_at_k_matches_the_binomial_formula():
 
 def test_bootstrap_best_and_worst_of_k():
     # max of 2 draws from {0, 1} is 1 unless both are 0: 3/4; min is 1 only if both are 1: 1/4
-    assert bootstrap([0.0, 1.0], 2, max, n_boot=20000)[0] == pytest.approx(0.75, abs=0.02)
-    assert bootstrap([0.0, 1.0], 2, min, n_boot=20000)[0] == pytest.approx(0.25, abs=0.02)
-    assert bootstrap([0.0, 1.0], 2, max) == bootstrap([0.0, 1.0], 2, max)  # fixed seed
+    best, worst = (lambda d: d.max(1)), (lambda d: d.min(1))
+    assert bootstrap([0.0, 1.0], 2, best, n_boot=20000)[0] == pytest.approx(0.75, abs=0.02)
+    assert bootstrap([0.0, 1.0], 2, worst, n_boot=20000)[0] == pytest.approx(0.25, abs=0.02)
+    assert bootstrap([0.0, 1.0], 2, best) == bootstrap([0.0, 1.0], 2, best)  # fixed seed
 
 
 def test_majority_vote_and_sample_sizes():
@@ -40,6 +41,9 @@ def test_prompt_metrics_of_a_known_group():
     assert m["pass@1"] == 0.5 and m["pass@2"] == pytest.approx(1 - 1 / 6) and m["pass@4"] == 1.0
     assert m["best@4/mean"] >= m["best@2/mean"] >= m["mean@4"] >= m["worst@2/mean"] >= m["worst@4/mean"]
     assert set(m) >= {"maj@2/mean", "maj@4/mean", "best@2/std", "worst@4/std"}
+    # the majority answer "5" or "3" each hold half the votes; maj@4 lies between the two scores
+    assert 0.0 <= m["maj@4/mean"] <= 1.0
+    assert prompt_metrics([1.0, 1.0, 1.0, 0.0], preds=["5", "5", "5", "3"])["maj@4/mean"] > 0.8  # "5" wins most draws
 
 
 def test_validation_metrics_are_named_like_verl_and_split_by_source():
@@ -75,3 +79,13 @@ def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
     a, b = json.load(open(root / "one.json")), json.load(open(root / "two.json"))
     assert a["prompts"] == 12 and a["metrics"] == b["metrics"]  # per-prompt seeds: the split does not matter
     assert {"val-aux/synthetic/digits/reward/pass@4", "val-aux/synthetic/digits/reward/best@2/mean"} <= set(a["metrics"])
+
+
+@pytest.mark.slow
+def test_standalone_eval_caps_responses_at_the_models_context(tiny_eval_setup):
+    root, model = tiny_eval_setup  # the tiny model has 512 positions; the default --max-new-tokens is 1024
+    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--max-prompts", "2", "--rollout", "hf", "--out", str(root / "cap.json")]
+    proc = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the model has 512 positions, so responses stop there" in proc.stdout
+    assert json.load(open(root / "cap.json"))["prompts"] == 2

@@ -131,13 +131,16 @@ def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
 def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tmp_path):
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
     flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
-             "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1"]  # fmt: skip
+             "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1",
+             "--val-n", "2", "--val-temperature", "1.0"]  # fmt: skip
     proc = train(tmp_path, *flags, "--wandb-project", "grpo-test", ranks=2, env={"WANDB_MODE": "offline"})
     # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
     assert "Run summary" in proc.stdout + proc.stderr and "actor/grad_norm" in proc.stdout + proc.stderr
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # two validation samples per prompt: mean@2 headlines, the rest as in verl
+    assert "val-core/synthetic/digits/reward/mean@2" in rows[0] and "val-aux/synthetic/digits/reward/pass@2" in rows[2]
     assert rows[1]["timing_s/old_log_prob"] > 0 and rows[1]["timing_s/ref"] > 0
     assert rows[2]["actor/kl_loss"] > 0  # after one update the policy differs from the reference
     assert rows[1]["training/rollout_logprob_diff_max"] <= 1e-4
@@ -212,3 +215,17 @@ def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
     assert train_grpo.parse_args(["--lr", "1e-3"]).lr == 1e-3
     real = train_grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
     assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
+
+
+@pytest.mark.slow
+def test_early_stopping_keeps_the_best_policy(tmp_path):
+    # lr 0: validation never improves, so patience 1 stops after the first step's validation
+    metric = "val-core/synthetic/digits/reward/mean@1"
+    flags = [*SMALL, "--max-steps", "5", "--rollout", "hf", "--lr", "0", "--test-freq", "1", "--save-freq", "-1",
+             "--early-stop-metric", metric, "--early-stop-patience", "1"]  # fmt: skip
+    proc = train(tmp_path, *flags)
+    assert "early stop at step 1" in proc.stdout + proc.stderr
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1]
+    assert (tmp_path / "best_model" / "model.safetensors").exists() and (tmp_path / "final_model").exists()
+    proc = train(tmp_path / "typo", *SMALL, "--rollout", "hf", "--early-stop-metric", "val-core/nope", check=False)
+    assert proc.returncode != 0 and "--early-stop-metric val-core/nope: no such validation metric" in proc.stderr
