@@ -90,6 +90,23 @@ def validation_metrics(data_sources, scores, group_size, preds=None, seed=42):
     return metrics
 
 
+def samples_table(samples, width=48):
+    """Samples ({prompt, response, ground_truth, score}) as a plain-text table, one line each.
+    Prompts keep their end (where the question is); newlines are shown as \\n."""
+
+    def cell(text, keep_end=False):
+        text = str(text).replace("\n", "\\n")
+        if len(text) <= width:
+            return text.ljust(width)
+        return ("..." + text[-(width - 3) :]) if keep_end else (text[: width - 3] + "...")
+
+    lines = [f"{'prompt':{width}s} | {'response':{width}s} | {'ground_truth':12s} | score"]
+    lines.append("-" * len(lines[0]))
+    for s in samples:
+        lines.append(f"{cell(s['prompt'], keep_end=True)} | {cell(s['response'])} | {str(s['ground_truth'])[:12]:12s} | {s['score']:.3f}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # Standalone evaluation
 

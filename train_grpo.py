@@ -36,7 +36,7 @@ import torch.distributed as dist
 import checkpoint
 import data_prep
 from advantage import grpo_advantages, zero_std_fraction
-from eval import validation_metrics
+from eval import samples_table, validation_metrics
 from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 from reward import compute_score, load_reward_fn, score_responses
 
@@ -461,11 +461,14 @@ def main():
         )  # fmt: skip
 
     def write_samples(name, step, rows, texts, scores, mode):
-        """Append readable samples to <out-dir>/samples/<name> (rank 0's share)."""
+        """Append readable samples to <out-dir>/samples/<name> (rank 0's share); returns them."""
+        samples = [
+            dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)
+            for r, text, s in zip(rows, texts, scores)
+        ]
         with open(os.path.join(args.out_dir, "samples", name), mode) as f:
-            for r, text, s in zip(rows, texts, scores):
-                sample = dict(step=step, prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=s)
-                f.write(json.dumps(sample) + "\n")
+            f.writelines(json.dumps(sample) + "\n" for sample in samples)
+        return samples
 
     # ---------------- validation
     def validate(step):
@@ -485,8 +488,12 @@ def main():
         parts = all_gather(dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred")))
         preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
         metrics = validation_metrics(sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), []), args.val_n, preds, seed=args.seed)
-        if rank == 0:
-            write_samples(f"val_step_{step}.jsonl", step, samples[:20], texts, scores, "w")
+        if rank == 0:  # a few samples: on screen, in the run directory, in wandb
+            kept = write_samples(f"val_step_{step}.jsonl", step, samples[:20], texts, scores, "w")
+            print0(f"validation samples, step {step}:\n" + samples_table(kept[:5]))
+            if wandb:
+                columns = ["step", "prompt", "response", "ground_truth", "score"]
+                wandb.log({"val/generations": wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in kept])}, step=step)
         return metrics
 
     def should_stop(history):

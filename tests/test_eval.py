@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eval import bootstrap, majority, pass_at_k, prompt_metrics, sample_sizes, validation_metrics
+from eval import bootstrap, majority, pass_at_k, prompt_metrics, sample_sizes, samples_table, validation_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,6 +54,16 @@ def test_validation_metrics_are_named_like_verl_and_split_by_source():
     assert metrics["val-aux/a/reward/pass@2"] == 0.5
     assert all(k.startswith(("val-core/", "val-aux/")) for k in metrics)
     assert [k for k in metrics if k.startswith("val-core")] == ["val-core/a/reward/mean@2", "val-core/b/reward/mean@2"]
+
+
+def test_samples_table_is_one_readable_line_per_sample():
+    long_prompt = "a" * 100 + " How many apples?"
+    table = samples_table([dict(prompt=long_prompt, response="#### 5\nok", ground_truth="5", score=1.0), dict(prompt="p", response="r", ground_truth="7", score=0.0)], width=30)
+    lines = table.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("prompt") and set(lines[1]) == {"-"}
+    assert "How many apples?" in lines[2]  # the end of a long prompt is what identifies it
+    assert "#### 5\\nok" in lines[2] and lines[2].endswith("1.000") and lines[3].endswith("0.000")
+    assert len({len(line) for line in lines[:3]}) == 1  # columns line up
 
 
 @pytest.fixture(scope="module")

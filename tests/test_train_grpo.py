@@ -63,13 +63,16 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     run = vllm_runs / "ranks1"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "val-core/synthetic/digits/reward/mean@1"}  # validation before training
+    # validation before training: only validation metrics, the headline among them
+    assert "val-core/synthetic/digits/reward/mean@1" in rows[0] and all(k == "step" or k.startswith("val-") for k in rows[0])
     for row in rows[1:]:
         missing = [k for k in VERL_METRICS if k not in row]
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert row["training/rollout_logprob_diff_max"] <= 1e-4  # engine and trainer agree (fp32)
     assert "val-core/synthetic/digits/reward/mean@1" in rows[2]
-    assert "demo: the tiny model learns from scratch" in (vllm_runs / "ranks1.log").read_text()
+    log_text = (vllm_runs / "ranks1.log").read_text()
+    assert "demo: the tiny model learns from scratch" in log_text
+    assert "validation samples, step 0:" in log_text and "ground_truth" in log_text  # the sample table
     config = json.load(open(run / "config.json"))
     assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
     assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
@@ -137,6 +140,7 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tm
     # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
     assert "Run summary" in proc.stdout + proc.stderr and "actor/grad_norm" in proc.stdout + proc.stderr
+    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json")), "no samples table in wandb"
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # two validation samples per prompt: mean@2 headlines, the rest as in verl
