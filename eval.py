@@ -2,6 +2,7 @@
 
     python eval.py --model runs/grpo/final_model --data runs/grpo/data/test.parquet --n 8 --temperature 0.6
     torchrun --nproc_per_node=2 eval.py --model ... --data ... --samples 8   # the data is split over ranks
+    python eval.py report runs/grpo [--bands kl_max=0.05,target=0.9]        # a run's health report (health.py)
 
 Per data source, over each prompt's n samples (then averaged over prompts):
     mean@n                 the average score
@@ -19,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -111,7 +113,30 @@ def samples_table(samples, width=48):
 # Standalone evaluation
 
 
+def report(argv):
+    """`python eval.py report RUN_DIR`: write the run's health report (health.py) and print it."""
+    import health
+
+    parser = argparse.ArgumentParser(prog="eval.py report", description=health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a train_grpo.py --out-dir (holds metrics.jsonl)")
+    parser.add_argument("--bands", default=None, help="name=value,... (health.Bands); default: the run's --health-bands")
+    args = parser.parse_args(argv)
+    try:
+        bands = None if args.bands is None else health.parse_bands(args.bands)
+    except ValueError as e:
+        parser.error(f"--bands {e}")
+    try:
+        path, verdicts = health.write_report(args.run_dir, bands)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"eval.py report: {e}") from None
+    print(open(path).read())
+    print(f"wrote {path}: {verdicts['overall']}")
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        return report(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hugging Face model directory or hub id")
     parser.add_argument("--data", required=True, help="parquet in verl's schema")

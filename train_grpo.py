@@ -9,6 +9,8 @@ prompt with the rollout engine -> score them -> group-normalized advantages -> o
 (recomputed by the trainer) and reference log-probs -> ppo_epochs x mini-batches x micro-batches
 of the clipped surrogate + KL loss -> AdamW step -> copy the new weights into the engine ->
 log -> validate -> checkpoint. After a crash, the same command resumes exactly (checkpoint.py).
+Signals leaving their healthy band print one-line warnings as they happen, and every run ends
+with a health report in <out-dir>/report/ (health.py).
 
 What is kept from verl's GRPO: its data schema, formulas (loss.py, advantage.py), defaults
 (clip 0.2, k3 KL loss with coefficient 0.001, token-mean, lr 1e-6) and metric names. What is
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 import checkpoint
 import data_prep
+import health
 from advantage import grpo_advantages, zero_std_fraction
 from eval import samples_table, validation_metrics
 from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
@@ -147,6 +150,8 @@ class Args:
     """Checkpoint every this many steps and after the last one (-1: no checkpoints)."""
     max_ckpt_to_keep: int = -1
     """Keep only the newest this many checkpoints (-1: all); older ones go once a newer one is complete."""
+    health_bands: str = ""
+    """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (health.Bands)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
@@ -184,6 +189,10 @@ def parse_args(argv=None):
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=help_text)
     args = Args(**vars(parser.parse_args(argv)))
+    try:
+        health.parse_bands(args.health_bands)
+    except ValueError as e:
+        parser.error(f"--health-bands {e}")
     if args.model == "tiny":
         given = {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
         for key, value in DEMO_OVERRIDES.items():
@@ -516,9 +525,12 @@ def main():
             save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank)
 
     history = []  # every logged row; checkpoints carry it, so a resumed run's metrics.jsonl is whole
+    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
 
     def log(step, metrics):
         history.append(dict(step=step, **metrics))
+        for warning in monitor.update(history[-1]):  # the same on every rank: metrics are reduced
+            print0(f"health: {warning}")
         if rank == 0:
             with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(history[-1]) + "\n")
@@ -533,6 +545,8 @@ def main():
         state = checkpoint.load(resume_from, policy, optimizer, dataclasses.asdict(args))
         scheduler.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["metrics"]
+        for row in history:  # the monitor picks up where it was, without repeating old warnings
+            monitor.update(row)
         engine.wake_up()
         engine.update_weights(full_parameters(policy, engine_torch_dtype))
         engine.sleep()
@@ -737,6 +751,9 @@ def main():
     # ---------------- save the policy (never the reference) in Hugging Face format
     if args.save_model:
         save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank)
+    if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
+        path, verdicts = health.write_report(args.out_dir)
+        print0(f"health report: {path}: {verdicts['overall']} ({verdicts['problem']} problem, {verdicts['watch']} watch, {verdicts['healthy']} healthy)")
     if wandb:
         wandb.finish()
     engine.close()  # before destroy_process_group, or vLLM's shutdown fails

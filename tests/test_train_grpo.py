@@ -76,6 +76,10 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     config = json.load(open(run / "config.json"))
     assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
     assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
+    # the health report closes every run; two steps of a random policy are judged as such
+    assert f"health report: {run / 'report' / 'report.md'}:" in log_text
+    report = (run / "report" / "report.md").read_text()
+    assert "| final `val-core/synthetic/digits/reward/mean@1` |" in report and (run / "report" / "reward.png").exists()
     # the saved model is the trained policy: it moved away from the initial weights
     from transformers import AutoModelForCausalLM
 
@@ -233,3 +237,17 @@ def test_early_stopping_keeps_the_best_policy(tmp_path):
     assert (tmp_path / "best_model" / "model.safetensors").exists() and (tmp_path / "final_model").exists()
     proc = train(tmp_path / "typo", *SMALL, "--rollout", "hf", "--early-stop-metric", "val-core/nope", check=False)
     assert proc.returncode != 0 and "--early-stop-metric val-core/nope: no such validation metric" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
+    """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
+    warnings and the end-of-run report say so (health.py)."""
+    proc = train(tmp_path, "--lr", "0.05", "--max-steps", "10", "--test-freq", "5", "--val-max-prompts", "64", "--save-freq", "-1")
+    assert "health: step" in proc.stdout and "actor/entropy fell" in proc.stdout
+    assert "health report:" in proc.stdout and ": problem (" in proc.stdout
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert report.startswith("# Run health") and "Overall: **problem**" in report
+    assert "| update size (largest one-step entropy drop) |" in report
+    line = next(x for x in report.splitlines() if x.startswith("| update size"))
+    assert "**PROBLEM** | <= 50% (more: the learning rate is too high) |" in line

@@ -1,0 +1,393 @@
+"""Run health: one-line warnings while training, and a report with plots at the end of a run.
+
+Most of the time spent with an RL run goes into judging it: is the reward rising, is the policy
+collapsing, is it over-fitting, is it getting slower? Practitioners check a known list of signals
+by hand in wandb. Here each signal has a healthy band (`Bands`, overridable with
+`--health-bands name=value,...`), and:
+
+    Monitor      reads each row train_grpo.py logs and returns a warning when a signal leaves its
+                 band (once; the same warning repeats only after `quiet` healthy steps)
+    write_report reads a run directory (config.json, metrics.jsonl, samples/) and writes
+                 report/report.md with PNG plots beside it, every item judged healthy / watch /
+                 problem against the band shown next to it
+
+The report is a pure function of the run directory, so `python eval.py report RUN_DIR` gives the
+same report for a finished, crashed or still running run. Its live warnings are the Monitor
+replayed over metrics.jsonl: the same lines the run printed.
+"""
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Bands:
+    val_falls: int = 3
+    """Warn when validation reward has fallen this many validations in a row."""
+    train_val_gap: float = 0.2
+    """Warn when train reward exceeds validation reward by more than this fraction of the train reward."""
+    gap_floor: float = 0.05
+    """Judge the train/val gap only once the train reward is at least this (near 0 it is noise)."""
+    kl_max: float = 0.03
+    """actor/kl_loss above this: the policy is drifting away from the reference."""
+    grad_norm_max: float = 1.0
+    """actor/grad_norm (before clipping) above this."""
+    grad_norm_jump: float = 5.0
+    """actor/grad_norm above this multiple of its median over the previous 20 steps."""
+    entropy_min: float = 0.1
+    """actor/entropy (nats per token) below this: the policy is nearly deterministic, exploration ends."""
+    entropy_drop: float = 0.5
+    """actor/entropy falling by more than this fraction in one step: the update was too large."""
+    entropy_max_late: float = 1.0
+    """actor/entropy above this late in training: the policy is not sharpening."""
+    late: float = 0.5
+    """Where "late in training" starts, as a fraction of the total steps."""
+    step_time_jump: float = 3.0
+    """timing_s/step above this multiple of its median over the previous 20 steps."""
+    quiet: int = 20
+    """Steps a signal must stay healthy before the same warning is printed again."""
+    target: float = float("nan")
+    """Validation reward the run should reach (the report judges against it; nan: no target)."""
+
+
+def parse_bands(text):
+    """'kl_max=0.05,target=0.9' -> Bands; unknown names and bad values are errors that list the choices."""
+    bands, fields = Bands(), {f.name: f.type for f in dataclasses.fields(Bands)}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in fields or not value:
+            raise ValueError(f"{item!r}: expected name=value with name one of {', '.join(fields)}")
+        try:
+            setattr(bands, name, (int if fields[name] in (int, "int") else float)(value))
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a number") from None
+    return bands
+
+
+def val_keys(row):
+    """The headline validation metrics in a row: val-core/<data_source>/reward/mean@n."""
+    return [k for k in row if re.fullmatch(r"val-core/.+/reward/mean@\d+", k)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Live warnings
+
+
+class Monitor:
+    """Feed it every logged row, in order; it returns the warnings that row raises."""
+
+    def __init__(self, bands, total_steps):
+        self.bands, self.total_steps = bands, total_steps
+        self.train = []  # training rows so far
+        self.vals = {}  # val key -> [(step, value)]
+        self.last_seen = {}  # signal -> the last step it was out of band
+
+    def update(self, row):
+        found = list(self._check_train(row)) if "actor/grad_norm" in row else []
+        found += self._check_val(row)
+        step, out = row["step"], []
+        for signal, message in found:
+            last = self.last_seen.get(signal)
+            if last is None or step - last > self.bands.quiet:
+                out.append(f"step {step}: {message}")
+            self.last_seen[signal] = step
+        return out
+
+    def _check_train(self, row):
+        b, step = self.bands, row["step"]
+        recent = self.train[-20:]
+        self.train.append(row)
+        gn, kl, ent = row["actor/grad_norm"], row["actor/kl_loss"], row["actor/entropy"]
+        if not math.isfinite(gn):
+            yield "grad_norm", f"actor/grad_norm is {gn}: the update was skipped"
+        elif gn > b.grad_norm_max:
+            yield "grad_norm", f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (it is clipped, but steps this large destabilise training; lower --lr)"
+        past = [r["actor/grad_norm"] for r in recent if math.isfinite(r["actor/grad_norm"])]
+        if len(past) >= 5 and gn > b.grad_norm_jump * np.median(past):
+            yield "grad_norm_jump", f"actor/grad_norm {gn:.3g} jumped {gn / np.median(past):.0f}x its recent median {np.median(past):.3g} (band: < {b.grad_norm_jump}x)"
+        if kl > b.kl_max:
+            yield "kl", f"actor/kl_loss {kl:.3g} > {b.kl_max}: the policy is drifting from the reference; raise --kl-coef or lower --lr"
+        prev = recent[-1]["actor/entropy"] if recent else None
+        if prev is not None and prev > b.entropy_min and ent < (1 - b.entropy_drop) * prev:
+            yield "entropy_drop", f"actor/entropy fell {1 - ent / prev:.0%} in one step ({prev:.3g} -> {ent:.3g}): an update this large means the learning rate is too high"
+        if ent < b.entropy_min:
+            yield "entropy_low", f"actor/entropy {ent:.3g} < {b.entropy_min}: the policy is nearly deterministic and exploration is ending"
+        if ent > b.entropy_max_late and step > b.late * self.total_steps:
+            yield "entropy_high", f"actor/entropy {ent:.3g} > {b.entropy_max_late} late in training (step {step} of {self.total_steps}): the policy is not sharpening"
+        if row["frac_reward_zero_std"] >= 1.0:
+            yield "zero_adv", f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn"
+        times = [r["timing_s/step"] for r in recent]
+        if len(times) >= 5 and row["timing_s/step"] > b.step_time_jump * np.median(times):
+            yield "step_time", f"timing_s/step {row['timing_s/step']:.3g} s is {row['timing_s/step'] / np.median(times):.1f}x its recent median {np.median(times):.3g} s (band: < {b.step_time_jump}x)"
+
+    def _check_val(self, row):
+        b, out = self.bands, []
+        for key in val_keys(row):
+            series = self.vals.setdefault(key, [])
+            series.append((row["step"], row[key]))
+            values = [v for _, v in series[-(b.val_falls + 1) :]]
+            if len(values) == b.val_falls + 1 and all(x > y for x, y in zip(values, values[1:])):
+                out.append((f"val_falls {key}", f"{key} fell {b.val_falls} validations in a row: " + " > ".join(f"{v:.3g}" for v in values)))
+            train = train_reward_near(self.train, row["step"])
+            if train is not None and train >= b.gap_floor and (train - row[key]) / train > b.train_val_gap:
+                out.append((f"gap {key}", f"train reward {train:.3g} is {(train - row[key]) / train:.0%} above {key} {row[key]:.3g} (band: < {b.train_val_gap:.0%}): over-fitting?"))
+        return out
+
+
+def train_reward_near(train_rows, step, window=10):
+    """Mean training reward (critic/score/mean) over the last `window` steps up to `step`."""
+    scores = [r["critic/score/mean"] for r in train_rows if step - window < r["step"] <= step]
+    return float(np.mean(scores)) if scores else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+def read_run(run_dir):
+    """config.json (may be missing) and metrics.jsonl rows of a run directory."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl here; is it the --out-dir of a train_grpo.py run?")
+    lines = [line for line in open(path) if line.strip()]
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines):
+                raise ValueError(f"{path}: line {i} is not JSON ({e})") from None
+            print(f"{path}: the last line is incomplete (a run stopped mid-write?); ignored")
+    config_path = os.path.join(run_dir, "config.json")
+    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+    return config, rows
+
+
+def judge(rows, config, bands):
+    """Every check of the report: a list of (section, check, value, verdict, band)."""
+    b = bands
+    train = [r for r in rows if "actor/grad_norm" in r]
+    if not train:
+        raise ValueError("the run has no training steps logged yet")
+    total = config.get("max_steps") if config.get("max_steps", -1) > 0 else train[-1]["step"]
+    col = lambda key: np.array([r[key] for r in train if key in r], dtype=float)  # noqa: E731
+    steps = np.array([r["step"] for r in train])
+    scores = col("critic/score/mean")
+    items = []
+
+    def add(section, check, value, verdict, band):
+        items.append((section, check, value, verdict, band))
+
+    # ---- task effect
+    monitor = Monitor(b, total)
+    warnings = [w for row in rows for w in monitor.update(row)]
+    for key, series in monitor.vals.items():
+        vals = np.array([v for _, v in series])
+        first, final, best = vals[0], vals[-1], vals.max()
+        best_step = series[int(vals.argmax())][0]
+        value = f"{final:.3f} at step {series[-1][0]} (first {first:.3f}, best {best:.3f} at step {best_step})"
+        if not math.isnan(b.target):
+            add("task effect", f"final `{key}`", value, "healthy" if final >= b.target else "problem", f">= target {b.target}")
+        else:
+            add("task effect", f"final `{key}`", value, "healthy" if final > first else "problem", "above its first validation (no target given: --health-bands target=X)")
+        lost = (best - final) / best if best > 0 else 0.0
+        falls = max_run(vals[1:] < vals[:-1])
+        verdict = "problem" if lost > b.train_val_gap else "watch" if falls >= b.val_falls else "healthy"
+        add("task effect", "validation trend", f"{lost:.0%} below its best; longest run of falls: {falls}", verdict,
+            f"final within {b.train_val_gap:.0%} of the best; fewer than {b.val_falls} falls in a row")  # fmt: skip
+        train_final = train_reward_near(train, series[-1][0])
+        gap = (train_final - final) / train_final if train_final and train_final >= b.gap_floor else 0.0
+        rising = len(scores) >= 4 and scores[-len(scores) // 4 :].mean() > scores[: len(scores) // 4].mean()
+        if gap <= b.train_val_gap:
+            verdict, what = "healthy", "no over-fitting"
+        elif final < best:
+            verdict, what = ("problem", "over-fitting: train reward rose while validation fell from its best") if rising else ("watch", "gap, but train reward did not rise")
+        else:
+            verdict, what = "watch", "gap, but validation is at its best"
+        add("task effect", "train vs validation", f"train {train_final:.3f} vs validation {final:.3f}: gap {gap:.0%}, {what}", verdict,
+            f"gap <= {b.train_val_gap:.0%} (train sampled at the training temperature, validation as configured)")  # fmt: skip
+    if not monitor.vals:
+        add("task effect", "validation", "no validation was logged", "watch", "--test-freq > 0")
+
+    # ---- convergence
+    pg = col("actor/pg_loss")
+    add("convergence", "policy loss (actor/pg_loss)", f"mean {pg.mean():.4g}, final {pg[-1]:.4g}",
+        "healthy" if np.isfinite(pg).all() else "problem", "finite at every step; GRPO's hovers near 0 because advantages are centred")  # fmt: skip
+    ent = col("actor/entropy")
+    late = ent[steps > b.late * total]
+    value = f"{ent[0]:.3f} -> {ent[len(ent) // 2]:.3f} -> {ent[-1]:.3f} (first, middle, last step)"
+    task_ok = all(v == "healthy" for s, c, _, v, _ in items if c.startswith("final `"))
+    if ent[-1] < b.entropy_min:
+        verdict = "watch" if task_ok else "problem"
+        value += "; collapsed after the task was learned" if task_ok else "; collapsed before the task was learned"
+    elif len(late) and late.mean() > b.entropy_max_late:
+        verdict = "watch"
+    else:
+        verdict = "healthy"
+    add("convergence", "entropy (actor/entropy)", value, verdict, f"final >= {b.entropy_min}; late-run mean <= {b.entropy_max_late}")
+    kl = col("actor/kl_loss")
+    if config.get("kl_coef", 1.0) == 0:
+        add("convergence", "KL to the reference (actor/kl_loss)", "off (--kl-coef 0)", "n/a", f"mean and max <= {b.kl_max}")
+    else:
+        verdict = "healthy" if kl.max() <= b.kl_max else "watch" if kl.mean() <= b.kl_max else "problem"
+        add("convergence", "KL to the reference (actor/kl_loss)", f"mean {kl.mean():.4g}, max {kl.max():.4g}", verdict, f"mean and max <= {b.kl_max}")
+
+    # ---- stability
+    gn = col("actor/grad_norm")
+    finite = gn[np.isfinite(gn)]
+    over = int((finite > b.grad_norm_max).sum())
+    jumps = sum(1 for w in warnings if "jumped" in w)
+    verdict = "problem" if len(finite) < len(gn) or np.median(finite) > b.grad_norm_max else "watch" if over or jumps else "healthy"
+    add("stability", "grad norm (actor/grad_norm)",
+        f"median {np.median(finite):.3g}, mean {finite.mean():.3g}, max {finite.max():.3g}; {over} of {len(gn)} steps above {b.grad_norm_max}, {jumps} jumps",
+        verdict, f"median <= {b.grad_norm_max}, no step above it, no jump > {b.grad_norm_jump}x")  # fmt: skip
+    drops = 1 - ent[1:] / ent[:-1]
+    judged = ent[:-1] > b.entropy_min  # below it, entropy is small and its ratios noisy
+    worst = int(np.argmax(np.where(judged, drops, -np.inf))) if judged.any() else None
+    if worst is not None:
+        add("stability", "update size (largest one-step entropy drop)", f"{drops[worst]:.0%} at step {steps[worst + 1]} ({ent[worst]:.3g} -> {ent[worst + 1]:.3g})",
+            "problem" if drops[worst] > b.entropy_drop else "healthy", f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)")  # fmt: skip
+    zs = col("frac_reward_zero_std")
+    all_zero, tail = int((zs >= 1).sum()), zs[-max(len(zs) // 4, 1) :]
+    score_tail = scores[-len(tail) :].mean()
+    verdict = "problem" if all_zero > len(zs) / 4 else "watch" if all_zero or tail.mean() > 0.5 else "healthy"
+    add("stability", "advantages",
+        f"critic/advantages min {col('critic/advantages/min').min():.3g}, max {col('critic/advantages/max').max():.3g}; "
+        f"zero-std groups {zs.mean():.0%} on average, {tail.mean():.0%} in the last quarter (mean score there {score_tail:.3g}); "
+        f"{all_zero} steps with every advantage 0",
+        verdict, "zero-std groups <= 50% late; every-advantage-0 steps <= 25% (more: the prompts are too easy or too hard for n samples)")  # fmt: skip
+    skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
+    add("stability", "skipped (non-finite) updates", str(skipped), "healthy" if skipped == 0 else "problem", "0")
+
+    # ---- efficiency
+    t = col("timing_s/step")
+    head, tail_t = t[1 : max(len(t) // 10, 2)], t[-max(len(t) // 10, 1) :]
+    slow = tail_t.mean() > b.step_time_jump * np.median(head) if len(head) else False
+    spikes = sum(1 for w in warnings if "timing_s/step" in w)
+    p10, p90 = np.percentile(t, [10, 90])
+    testing = sum(r.get("timing_s/testing", 0.0) for r in rows)
+    add("efficiency", "step time (timing_s/step)",
+        f"median {np.median(t):.3g} s/it (p10 {p10:.3g}, p90 {p90:.3g}); {t.sum() / 60:.1f} min of steps + {testing / 60:.1f} min validating; {spikes} spikes",
+        "problem" if slow else "watch" if spikes else "healthy",
+        f"last 10% of steps < {b.step_time_jump}x the first 10%; no step > {b.step_time_jump}x its recent median")  # fmt: skip
+    parts = [k.removeprefix("timing_s/") for k in train[-1] if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing")]
+    split = ", ".join(f"{p} {np.median(col('timing_s/' + p)) / np.median(t):.0%}" for p in parts)
+    tok = col("perf/throughput")
+    add("efficiency", "throughput (perf/throughput)", f"median {np.median(tok):.4g} tokens/s per rank; {col('perf/total_num_tokens').sum():.4g} tokens in all; median step: {split}",
+        "healthy", "reported, not judged")  # fmt: skip
+    mem = col("perf/max_memory_allocated_gb")
+    early = mem[min(10, len(mem) - 1)]
+    verdict = "healthy" if mem.max() <= 1.2 * early else "watch"
+    add("efficiency", "peak memory (perf/max_memory_allocated_gb)", f"{mem.max():.3g} GB (at step 10: {early:.3g} GB)", verdict,
+        "grows < 20% after step 10 (more: a leak, or longer responses)")  # fmt: skip
+    return items, warnings
+
+
+def max_run(flags):
+    """The longest run of True in a sequence."""
+    best = run = 0
+    for f in flags:
+        run = run + 1 if f else 0
+        best = max(best, run)
+    return best
+
+
+PLOTS = {  # file -> (title, metric keys, band attribute or None, log scale)
+    "reward.png": ("reward", ["critic/score/mean", "val-core"], "target", False),
+    "kl.png": ("KL", ["actor/kl_loss", "actor/ppo_kl"], "kl_max", False),
+    "entropy.png": ("entropy (nats/token)", ["actor/entropy"], "entropy_min", False),
+    "grad_norm.png": ("grad norm (before clipping)", ["actor/grad_norm"], "grad_norm_max", True),
+    "response_length.png": ("response length (tokens)", ["response_length/mean", "response_length/max", "response_length/min"], None, False),
+    "step_time.png": ("step time (s)", ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"], None, False),
+}
+
+
+def plot(rows, bands, out_dir):
+    """The curves people otherwise open wandb for, one PNG each; returns the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, (title, keys, band, log) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+        for key in keys:
+            for k in sorted({k for r in rows for k in val_keys(r)}) if key == "val-core" else [key]:
+                pts = [(r["step"], r[k]) for r in rows if k in r and math.isfinite(r[k])]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o" if k.startswith("val-") else None, markersize=3, label=k, linewidth=1.2)
+        level = getattr(bands, band) if band else None
+        if level is not None and math.isfinite(level):
+            ax.axhline(level, color="red", linestyle="--", linewidth=0.8, label=f"band: {band} {level:g}")
+        if log:
+            ax.set_yscale("log")
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name))
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def samples_extremes(run_dir, k=3):
+    """The best and worst scored samples of the last validation that wrote samples."""
+    files = glob.glob(os.path.join(run_dir, "samples", "val_step_*.jsonl"))
+    if not files:
+        return None, []
+    last = max(files, key=lambda p: int(re.search(r"val_step_(\d+)", p).group(1)))
+    samples = [json.loads(line) for line in open(last) if line.strip()]
+    ranked = sorted(samples, key=lambda s: -s["score"])
+    return os.path.relpath(last, run_dir), ranked[:k] + ranked[-k:] if len(ranked) > 2 * k else ranked
+
+
+def write_report(run_dir, bands=None):
+    """Write RUN_DIR/report/report.md and its plots; returns (path, counts of each verdict)."""
+    config, rows = read_run(run_dir)
+    bands = bands or parse_bands(config.get("health_bands", ""))
+    items, warnings = judge(rows, config, bands)
+    out_dir = os.path.join(run_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        plots = plot(rows, bands, out_dir)
+    except ImportError:
+        plots = []
+        print("matplotlib is not installed: the report has no plots (pip install -r requirements.txt)")
+    counts = {v: sum(1 for it in items if it[3] == v) for v in ("problem", "watch", "healthy")}
+    overall = "problem" if counts["problem"] else "watch" if counts["watch"] else "healthy"
+    icon = {"healthy": "healthy", "watch": "**watch**", "problem": "**PROBLEM**", "n/a": "n/a"}
+    last = max(r["step"] for r in rows)
+    lines = [
+        f"# Run health: {os.path.basename(os.path.abspath(run_dir))}",
+        "",
+        f"Overall: **{overall}** ({counts['problem']} problem, {counts['watch']} watch, {counts['healthy']} healthy) "
+        f"after {last} steps of {config.get('max_steps', '?')}; model `{config.get('model', '?')}`, lr {config.get('lr', '?')}.",
+        "Regenerate with `python eval.py report RUN_DIR [--bands name=value,...]`.",
+    ]
+    for section in ("task effect", "convergence", "stability", "efficiency"):
+        lines += ["", f"## {section.capitalize()}", "", "| check | value | verdict | healthy band |", "| --- | --- | --- | --- |"]
+        lines += [f"| {c} | {v} | {icon[verdict]} | {band} |" for s, c, v, verdict, band in items if s == section]
+    lines += ["", f"## Live warnings ({len(warnings)})", ""]
+    lines += [f"- {w}" for w in warnings[:30]] or ["none"]
+    if len(warnings) > 30:
+        lines.append(f"- ... and {len(warnings) - 30} more (replay them: `health.Monitor` over metrics.jsonl)")
+    source, samples = samples_extremes(run_dir)
+    if samples:
+        lines += ["", f"## Best and worst samples ({source})", "", "| score | prompt | response | ground truth |", "| ---: | --- | --- | --- |"]
+        cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[-200:]  # noqa: E731
+        lines += [f"| {s['score']:.3g} | {cell(s['prompt'])} | {cell(s['response'])} | {cell(s['ground_truth'])} |" for s in samples]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots]
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path, dict(counts, overall=overall)

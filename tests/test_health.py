@@ -1,0 +1,199 @@
+"""health.py: live warnings from logged rows, and the end-of-run report from a run directory.
+
+The rows here are synthetic, shaped like train_grpo.py's metrics.jsonl; the real runs are in
+test_train_grpo.py (a healthy short run, and one made unhealthy on purpose).
+"""
+
+import json
+import math
+
+import pytest
+
+import eval as evaluate
+import health
+
+VAL = "val-core/synthetic/digits/reward/mean@1"
+
+
+def step_row(step, **over):
+    """One healthy training step; `over` replaces any metric."""
+    row = {
+        "step": step, "actor/grad_norm": 0.5, "actor/kl_loss": 0.001, "actor/entropy": 0.8, "actor/pg_loss": 0.01,
+        "actor/ppo_kl": 0.0, "critic/score/mean": 0.5, "critic/advantages/min": -1.5, "critic/advantages/max": 1.5,
+        "frac_reward_zero_std": 0.3, "response_length/mean": 3.0, "response_length/max": 4.0, "response_length/min": 1.0,
+        "timing_s/step": 1.0, "timing_s/gen": 0.4, "timing_s/update_actor": 0.5, "timing_s/update_weights": 0.02,
+        "perf/throughput": 1000.0, "perf/total_num_tokens": 1000.0, "perf/max_memory_allocated_gb": 2.0,
+    }  # fmt: skip
+    row.update(over)
+    return row
+
+
+def feed(monitor, rows):
+    return [w for r in rows for w in monitor.update(r)]
+
+
+def test_bands_parse_and_reject_unknown_names():
+    b = health.parse_bands("kl_max=0.05, target=0.9,val-falls=2")
+    assert (b.kl_max, b.target, b.val_falls) == (0.05, 0.9, 2) and isinstance(b.val_falls, int)
+    assert health.parse_bands("").grad_norm_max == 1.0 and math.isnan(health.parse_bands("").target)
+    with pytest.raises(ValueError, match="kl_maxx=1.*one of val_falls"):
+        health.parse_bands("kl_maxx=1")
+    with pytest.raises(ValueError, match="'high' is not a number"):
+        health.parse_bands("kl_max=high")
+
+
+def test_a_healthy_run_raises_no_warning():
+    monitor = health.Monitor(health.Bands(), total_steps=100)
+    rows = [{"step": 0, VAL: 0.1}] + [step_row(s) for s in range(1, 101)]
+    rows += [{"step": 100, VAL: 0.45}]  # validation reward rose; train reward 0.5: gap 10%
+    assert feed(monitor, rows) == []
+
+
+@pytest.mark.parametrize(
+    "over, expected",
+    [
+        (dict(**{"actor/grad_norm": 1.5}), "actor/grad_norm 1.5 > 1.0"),
+        (dict(**{"actor/kl_loss": 0.05}), "actor/kl_loss 0.05 > 0.03"),
+        (dict(**{"actor/entropy": 0.05}), "actor/entropy 0.05 < 0.1"),
+        (dict(**{"frac_reward_zero_std": 1.0}), "every group's rewards are equal"),
+        (dict(**{"timing_s/step": 3.5}), "timing_s/step 3.5 s is 3.5x its recent median"),
+        (dict(**{"actor/grad_norm": float("nan")}), "actor/grad_norm is nan"),
+    ],
+)
+def test_each_signal_warns_once_when_it_leaves_its_band(over, expected):
+    monitor = health.Monitor(health.parse_bands("entropy_drop=1"), total_steps=100)  # one signal at a time
+    feed(monitor, [step_row(s) for s in range(1, 11)])
+    # out of band for 5 steps: one warning, not five
+    warnings = feed(monitor, [step_row(s, **over) for s in range(11, 16)])
+    assert len(warnings) == 1 and warnings[0].startswith("step 11: ") and expected in warnings[0], warnings
+
+
+def test_a_warning_repeats_only_after_the_signal_was_healthy_for_quiet_steps():
+    monitor = health.Monitor(health.parse_bands("quiet=5"), total_steps=100)
+    bad = {"actor/kl_loss": 0.1}
+    rows = [step_row(1, **bad), *[step_row(s) for s in range(2, 5)], step_row(5, **bad)]  # back after 3 healthy steps: quiet
+    rows += [*[step_row(s) for s in range(6, 12)], step_row(12, **bad)]  # back after 6 healthy steps: warns again
+    assert [w.split(":")[0] for w in feed(monitor, rows)] == ["step 1", "step 12"]
+
+
+def test_grad_norm_jump_is_relative_to_the_recent_median():
+    monitor = health.Monitor(health.parse_bands("grad_norm_max=100"), total_steps=100)
+    rows = [step_row(s, **{"actor/grad_norm": 0.1}) for s in range(1, 21)] + [step_row(21, **{"actor/grad_norm": 0.8})]
+    assert feed(monitor, rows) == ["step 21: actor/grad_norm 0.8 jumped 8x its recent median 0.1 (band: < 5.0x)"]
+
+
+def test_a_sudden_entropy_drop_blames_the_learning_rate():
+    monitor = health.Monitor(health.Bands(), total_steps=100)
+    rows = [step_row(1, **{"actor/entropy": 2.0}), step_row(2, **{"actor/entropy": 1.2}), step_row(3, **{"actor/entropy": 0.5})]
+    assert feed(monitor, rows) == ["step 3: actor/entropy fell 58% in one step (1.2 -> 0.5): an update this large means the learning rate is too high"]
+
+
+def test_high_entropy_warns_only_late_in_training():
+    monitor = health.Monitor(health.Bands(), total_steps=100)
+    early = feed(monitor, [step_row(s, **{"actor/entropy": 2.0}) for s in range(1, 51)])
+    late = feed(monitor, [step_row(51, **{"actor/entropy": 2.0})])
+    assert early == [] and len(late) == 1 and "late in training (step 51 of 100)" in late[0]
+
+
+def test_validation_falling_three_times_in_a_row_and_the_train_val_gap():
+    monitor = health.Monitor(health.Bands(), total_steps=100)
+    rows = [step_row(s, **{"critic/score/mean": 0.9}) for s in range(1, 11)]
+    rows += [{"step": 10, VAL: v} for v in (0.85, 0.8, 0.75)]  # falling, but only twice, and gap < 20%
+    assert feed(monitor, rows) == []
+    warnings = feed(monitor, [{"step": 10, VAL: 0.6}])  # the third fall; gap (0.9 - 0.6) / 0.9 = 33%
+    assert len(warnings) == 2
+    assert "fell 3 validations in a row: 0.85 > 0.8 > 0.75 > 0.6" in warnings[0]
+    assert "train reward 0.9 is 33% above" in warnings[1] and "over-fitting" in warnings[1]
+
+
+def test_the_gap_is_not_judged_while_train_reward_is_near_zero():
+    monitor = health.Monitor(health.Bands(), total_steps=100)
+    rows = [step_row(s, **{"critic/score/mean": 0.02}) for s in range(1, 11)] + [{"step": 10, VAL: 0.0}]
+    assert feed(monitor, rows) == []
+
+
+def write_run(run_dir, rows, **config):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "config.json").write_text(json.dumps(dict(max_steps=100, kl_coef=0.001, lr=1e-6, model="m", **config)))
+    (run_dir / "samples").mkdir(exist_ok=True)
+    samples = [dict(step=100, prompt=f"q{i} | x", response=f"a{i}", ground_truth=str(i), score=float(i % 2)) for i in range(10)]
+    (run_dir / "samples" / "val_step_100.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+
+def verdicts(report_text):
+    """check name -> verdict, from the report's tables."""
+    out = {}
+    for line in report_text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 4 and cells[2] in ("healthy", "**watch**", "**PROBLEM**", "n/a"):
+            out[cells[0]] = cells[2].strip("*").lower()
+    return out
+
+
+def test_report_of_a_healthy_run(tmp_path):
+    rows = [{"step": 0, VAL: 0.1}]
+    for s in range(1, 101):
+        rows.append(step_row(s, **{"critic/score/mean": 0.1 + 0.4 * s / 100, "actor/entropy": 0.9 - 0.4 * s / 100}))
+        if s % 20 == 0:
+            rows[-1][VAL] = 0.1 + 0.35 * s / 100
+    write_run(tmp_path / "run", rows)
+    path, counts = health.write_report(str(tmp_path / "run"))
+    text = open(path).read()
+    assert counts == dict(problem=0, watch=0, healthy=13, overall="healthy"), text
+    for section in ("## Task effect", "## Convergence", "## Stability", "## Efficiency", "## Live warnings (0)", "## Best and worst samples", "## Plots"):
+        assert section in text
+    assert f"| final `{VAL}` | 0.450 at step 100 (first 0.100, best 0.450 at step 100) | healthy |" in text
+    assert "| q1 \\| x | a1 | 1 |" in text  # a sample, with its '|' escaped for the table
+    for name in health.PLOTS:
+        assert (tmp_path / "run" / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![{name[:-4]}]({name})" in text
+
+
+def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
+    rows = [{"step": 0, VAL: 0.3}]
+    for s in range(1, 101):
+        late = s > 50
+        rows.append(step_row(s, **{
+            "critic/score/mean": 0.6 if late else 0.4, "actor/entropy": 0.01 if late else 0.8,
+            "actor/grad_norm": 30.0 if late else 0.5, "actor/kl_loss": 0.2 if late else 0.001,
+            "frac_reward_zero_std": 1.0 if late else 0.3, "timing_s/step": 4.0 if late else 1.0,
+        }))  # fmt: skip
+        if s % 10 == 0:
+            rows[-1][VAL] = 0.5 if s <= 50 else 0.5 - 0.05 * (s - 50) / 10
+    rows[-1]["actor/skipped_updates"] = 1
+    write_run(tmp_path / "run", rows)
+    path, counts = health.write_report(str(tmp_path / "run"))
+    got = verdicts(open(path).read())
+    assert counts["overall"] == "problem"
+    expected = {
+        f"final `{VAL}`": "problem", "validation trend": "problem", "train vs validation": "problem",
+        "entropy (actor/entropy)": "problem", "update size (largest one-step entropy drop)": "problem", "KL to the reference (actor/kl_loss)": "problem",
+        "grad norm (actor/grad_norm)": "problem", "advantages": "problem", "skipped (non-finite) updates": "problem",
+        "step time (timing_s/step)": "problem",
+    }  # fmt: skip
+    assert {k: got[k] for k in expected} == expected, got
+
+
+def test_report_reads_a_run_killed_mid_write_and_names_a_corrupt_line(tmp_path, capsys):
+    rows = [step_row(s) for s in range(1, 6)]
+    write_run(tmp_path / "run", rows)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "actor/gr')  # the process died while writing
+    health.write_report(str(tmp_path / "run"))
+    assert "the last line is incomplete" in capsys.readouterr().out
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join([lines[0], "not json", *lines[1:5]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+        health.write_report(str(tmp_path / "run"))
+
+
+def test_eval_report_command(tmp_path, capsys):
+    write_run(tmp_path / "run", [step_row(s, **{"actor/kl_loss": 0.05}) for s in range(1, 11)], health_bands="kl_max=0.1")
+    evaluate.main(["report", str(tmp_path / "run")])  # the run's own bands: KL 0.05 is within 0.1
+    out = capsys.readouterr().out
+    assert "| KL to the reference (actor/kl_loss) | mean 0.05, max 0.05 | healthy | mean and max <= 0.1 |" in out
+    evaluate.main(["report", str(tmp_path / "run"), "--bands", "kl_max=0.01"])
+    assert "| mean and max <= 0.01 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no metrics.jsonl here"):
+        evaluate.main(["report", str(tmp_path / "nothing")])
