@@ -223,10 +223,12 @@ def judge(rows, config, bands):
     ent = col("actor/entropy")
     late = ent[steps > b.late * total]
     value = f"{ent[0]:.3f} -> {ent[len(ent) // 2]:.3f} -> {ent[-1]:.3f} (first, middle, last step)"
-    task_ok = all(v == "healthy" for s, c, _, v, _ in items if c.startswith("final `"))
+    # solved: the last quarter's train reward is near the best score any sample got
+    tail_score, top = scores[-max(len(scores) // 4, 1) :].mean(), col("critic/score/max").max()
+    solved = top > 0 and tail_score >= 0.9 * top
     if ent[-1] < b.entropy_min:
-        verdict = "watch" if task_ok else "problem"
-        value += "; collapsed after the task was learned" if task_ok else "; collapsed before the task was learned"
+        verdict = "watch" if solved else "problem"
+        value += f"; collapsed {'after' if solved else 'before'} the task was learned (late train reward {tail_score:.3g}, best sample score {top:.3g})"
     elif len(late) and late.mean() > b.entropy_max_late:
         verdict = "watch"
     else:
@@ -256,13 +258,13 @@ def judge(rows, config, bands):
             "problem" if drops[worst] > b.entropy_drop else "healthy", f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)")  # fmt: skip
     zs = col("frac_reward_zero_std")
     all_zero, tail = int((zs >= 1).sum()), zs[-max(len(zs) // 4, 1) :]
-    score_tail = scores[-len(tail) :].mean()
+    why = "too easy: most groups are all right" if solved else "too hard, or the policy is stuck: most groups are all wrong or identical"
     verdict = "problem" if all_zero > len(zs) / 4 else "watch" if all_zero or tail.mean() > 0.5 else "healthy"
     add("stability", "advantages",
         f"critic/advantages min {col('critic/advantages/min').min():.3g}, max {col('critic/advantages/max').max():.3g}; "
-        f"zero-std groups {zs.mean():.0%} on average, {tail.mean():.0%} in the last quarter (mean score there {score_tail:.3g}); "
-        f"{all_zero} steps with every advantage 0",
-        verdict, "zero-std groups <= 50% late; every-advantage-0 steps <= 25% (more: the prompts are too easy or too hard for n samples)")  # fmt: skip
+        f"zero-std groups {zs.mean():.0%} on average, {tail.mean():.0%} in the last quarter ({why if tail.mean() > 0.5 else 'fine'}); "
+        f"steps with every advantage 0: {all_zero}",
+        verdict, "zero-std groups <= 50% late; every-advantage-0 steps <= 25%")  # fmt: skip
     skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
     add("stability", "skipped (non-finite) updates", str(skipped), "healthy" if skipped == 0 else "problem", "0")
 

@@ -19,7 +19,7 @@ def step_row(step, **over):
     """One healthy training step; `over` replaces any metric."""
     row = {
         "step": step, "actor/grad_norm": 0.5, "actor/kl_loss": 0.001, "actor/entropy": 0.8, "actor/pg_loss": 0.01,
-        "actor/ppo_kl": 0.0, "critic/score/mean": 0.5, "critic/advantages/min": -1.5, "critic/advantages/max": 1.5,
+        "actor/ppo_kl": 0.0, "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/advantages/min": -1.5, "critic/advantages/max": 1.5,
         "frac_reward_zero_std": 0.3, "response_length/mean": 3.0, "response_length/max": 4.0, "response_length/min": 1.0,
         "timing_s/step": 1.0, "timing_s/gen": 0.4, "timing_s/update_actor": 0.5, "timing_s/update_weights": 0.02,
         "perf/throughput": 1000.0, "perf/total_num_tokens": 1000.0, "perf/max_memory_allocated_gb": 2.0,
