@@ -182,7 +182,8 @@ def agg_denominator(mask, mode):
 
 
 def policy_loss(
-    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", rollout_is_weights=None
+    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", rollout_is_weights=None,
+    norm_len=None,
 ):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
 
@@ -190,7 +191,7 @@ def policy_loss(
       l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
       l       = min(l_clip, -A * clip_c)   where A < 0   (dual clip: bounds the loss when a token
                 l_clip                     where A >= 0   with A < 0 has become far more likely)
-      loss    = agg_loss(l * w, mask, agg)   w = rollout_is_weights, or 1
+      loss    = agg_loss(l * w, mask, agg, norm_len)   w = rollout_is_weights, or 1
 
     `rollout_is_weights` [B, T] is the truncated importance-sampling correction for the gap
     between the rollout engine and the trainer: w = min(pi_old / pi_engine, cap), no gradient.
@@ -221,4 +222,4 @@ def policy_loss(
             ),
             "ppo_kl": masked_mean(-log_ratio, mask_f),
         }
-    return agg_loss(loss_mat, mask_f, agg), metrics
+    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics

@@ -86,7 +86,7 @@ class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
     def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, gpu_memory_utilization=0.5,
-                 tensor_parallel_size=1, distributed=False, device=None):
+                 tensor_parallel_size=1, distributed=False, device=None, **unused):
         # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun)
         check_model_path(model_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring

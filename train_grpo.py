@@ -92,6 +92,9 @@ class Args:
     """Prompts per optimizer step, over all ranks (verl's ppo_mini_batch_size)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
+    micro_batch_tokens: int = 0
+    """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
+    per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu)."""
     lr: float = 1e-6
     """Peak AdamW learning rate."""
     lr_schedule: str = "constant"
@@ -253,30 +256,56 @@ def make_batch(prompts, responses, pad_id):
     return dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         responses=input_ids[:, P:], response_mask=attention_mask[:, P:].float(), prompt_width=P,
+        prompt_lens=[len(p) for p in prompts], response_lens=[max(len(r), 1) for r in responses],
     )  # fmt: skip
 
 
-def response_logits(model, batch, rows):
-    """Forward pass on rows of a batch; returns the logits that predict each response token."""
+def micro_batches(batch, rows, size, max_tokens=0):
+    """Split the sequences `rows` (indices into the batch) into micro-batches: `size` at a time, or,
+    with max_tokens > 0, sorted by length and packed while rows x padded width <= max_tokens."""
+    if max_tokens <= 0:
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    p, r = batch["prompt_lens"], batch["response_lens"]
+    out, cur = [], []
+    for i in sorted(rows, key=lambda i: p[i] + r[i]):
+        width = max(p[j] for j in cur + [i]) + max(r[j] for j in cur + [i])
+        if cur and (len(cur) + 1) * width > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + [cur]
+
+
+def window(batch, rows):
+    """The rows of a batch, cut to the columns they use: the padding every row of them has on the
+    left of the prompts and the right of the responses is never computed on."""
+    p, r, P = max(batch["prompt_lens"][i] for i in rows), max(batch["response_lens"][i] for i in rows), batch["prompt_width"]
+    cols = slice(P - p, P + r)
+    view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
+    view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
+    return view  # response tensors [b, r]
+
+
+def response_logits(model, view):
+    """Forward pass on a window of a batch; returns the logits that predict each response token."""
     out = model(
-        input_ids=batch["input_ids"][rows].to(DEVICE),
-        attention_mask=batch["attention_mask"][rows].to(DEVICE),
-        position_ids=batch["position_ids"][rows].to(DEVICE),
+        input_ids=view["input_ids"].to(DEVICE),
+        attention_mask=view["attention_mask"].to(DEVICE),
+        position_ids=view["position_ids"].to(DEVICE),
         use_cache=False,
     )
-    P = batch["prompt_width"]
-    return out.logits[:, P - 1 : -1]  # [b, R, V]
+    return out.logits[:, view["prompt_width"] - 1 : -1]  # [b, r, V]
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch, micro, temperature):
+def compute_logprobs(model, batch, micro, max_tokens, temperature):
     """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
-    parts = []
-    for s in range(0, batch["responses"].shape[0], micro):
-        rows = slice(s, s + micro)
-        logits = response_logits(model, batch, rows)
-        parts.append(logprobs_from_logits(logits, batch["responses"][rows].to(DEVICE), temperature).float().cpu())
-    return torch.cat(parts)
+    out = torch.zeros_like(batch["response_mask"])
+    for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
+        view = window(batch, rows)
+        logp = logprobs_from_logits(response_logits(model, view), view["responses"].to(DEVICE), temperature)
+        out[rows, : logp.shape[1]] = logp.float().cpu()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,6 +441,7 @@ def main():
         args.rollout, args.model, max_model_len=args.max_prompt_length + args.max_response_length, dtype=engine_dtype,
         seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, distributed=True, device=DEVICE,
+        max_batch_size=args.prompt_batch_size // world * args.group_size,  # the transformers engine: a step's rollout in one batch
     )  # fmt: skip
     print0(f"rollout engine: {type(engine).__name__}")
 
@@ -614,10 +644,10 @@ def main():
 
         # ---- old and reference log-probs
         t = time.perf_counter()
-        old_logp = None if on_policy else compute_logprobs(policy, batch, args.micro_batch_size, args.temperature)
+        old_logp = None if on_policy else compute_logprobs(policy, batch, args.micro_batch_size, args.micro_batch_tokens, args.temperature)
         timing["old_log_prob"] = time.perf_counter() - t
         t = time.perf_counter()
-        ref_logp = compute_logprobs(reference, batch, args.micro_batch_size, args.temperature) if reference else None
+        ref_logp = compute_logprobs(reference, batch, args.micro_batch_size, args.micro_batch_tokens, args.temperature) if reference else None
         timing["ref"] = time.perf_counter() - t
 
         # ---- policy update: ppo_epochs x mini-batches x micro-batches
@@ -632,27 +662,29 @@ def main():
                 whole = agg_denominator(mask[mini], args.loss_agg)
                 whole = None if whole is None else all_sum(whole)
                 optimizer.zero_grad(set_to_none=True)
-                for s in range(m0, min(m0 + mini_local, mask.shape[0]), args.micro_batch_size):
-                    rows_ = slice(s, min(s + args.micro_batch_size, m0 + mini_local, mask.shape[0]))
-                    m = mask[rows_].to(DEVICE)
-                    logits = response_logits(policy, batch, rows_)
-                    logp = logprobs_from_logits(logits, batch["responses"][rows_].to(DEVICE), args.temperature)
-                    old = logp.detach() if old_logp is None else old_logp[rows_].to(DEVICE)
-                    trainer_logp[rows_] = old.float().cpu()
+                rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
+                for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
+                    view = window(batch, mb)  # only the columns these rows use
+                    m, r = view["response_mask"].to(DEVICE), view["responses"].shape[1]  # [b, r]
+                    logits = response_logits(policy, view)
+                    logp = logprobs_from_logits(logits, view["responses"].to(DEVICE), args.temperature)
+                    old = logp.detach() if old_logp is None else old_logp[mb, :r].to(DEVICE)
+                    trainer_logp[mb, :r] = old.float().cpu()
                     is_weights = None
                     if args.tis_cap > 0:
-                        is_weights = torch.exp(old - engine_logp[rows_].to(DEVICE)).clamp(max=args.tis_cap) * m
+                        is_weights = torch.exp(old - engine_logp[mb, :r].to(DEVICE)).clamp(max=args.tis_cap) * m
                     pg_loss, pg_metrics = policy_loss(
-                        logp, old, adv_tokens[rows_].to(DEVICE), m, args.clip_low, args.clip_high, args.clip_c,
-                        args.loss_agg, rollout_is_weights=is_weights,
+                        logp, old, adv_tokens[mb, :r].to(DEVICE), m, args.clip_low, args.clip_high, args.clip_c,
+                        args.loss_agg, rollout_is_weights=is_weights, norm_len=args.max_response_length,
                     )  # fmt: skip
                     loss = pg_loss
                     kl_loss = torch.zeros(())
                     if reference is not None:
-                        kl_loss = agg_loss(kl_penalty(logp, ref_logp[rows_].to(DEVICE), args.kl_kind), m, args.loss_agg)
+                        kl = kl_penalty(logp, ref_logp[mb, :r].to(DEVICE), args.kl_kind)
+                        kl_loss = agg_loss(kl, m, args.loss_agg, args.max_response_length)
                         loss = loss + args.kl_coef * kl_loss
                     with torch.set_grad_enabled(args.entropy_coef > 0):
-                        entropy = agg_loss(entropy_from_logits(logits), m, args.loss_agg)
+                        entropy = agg_loss(entropy_from_logits(logits), m, args.loss_agg, args.max_response_length)
                     if args.entropy_coef > 0:
                         loss = loss - args.entropy_coef * entropy
                     piece = agg_denominator(m, args.loss_agg)
