@@ -232,8 +232,9 @@ class HFEngine:
         for i, p in enumerate(prompts):
             input_ids[i, T0 - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, T0 - len(p) :] = 1
-        # one generator per row: a row's samples do not depend on the rest of the batch
-        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        # each row draws all its uniforms up front from its own generator, so a row's samples do not
+        # depend on the rest of the batch, and sampling a step is one batched op: [B, steps]
+        uniforms = torch.stack([torch.rand(int(budget.max()), generator=torch.Generator().manual_seed(s)) for s in seeds]).to(dev)
         eos = torch.tensor(self.eos_ids, device=dev)
         cache = DynamicCache(config=self.model.config)
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
@@ -248,7 +249,10 @@ class HFEngine:
                 logp = torch.log_softmax(logits, -1)  # [B, V]
             else:
                 logp = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), -1)  # [B, V]
-                tok = torch.cat([torch.multinomial(logp[i].exp(), 1, generator=g) for i, g in enumerate(gens)])
+                # inverse-CDF sampling: the first token whose cumulative probability exceeds u
+                cdf = logp.exp().cumsum(-1)  # [B, V]
+                u = uniforms[:, step : step + 1] * cdf[:, -1:]  # [B, 1], scaled to the total mass
+                tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # [B]
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
             done |= torch.isin(tok, eos) | (step + 1 >= budget)
