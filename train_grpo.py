@@ -266,13 +266,13 @@ def micro_batches(batch, rows, size, max_tokens=0):
     if max_tokens <= 0:
         return [rows[i : i + size] for i in range(0, len(rows), size)]
     p, r = batch["prompt_lens"], batch["response_lens"]
-    out, cur = [], []
+    out, cur, p_max, r_max = [], [], 0, 0
     for i in sorted(rows, key=lambda i: p[i] + r[i]):
-        width = max(p[j] for j in cur + [i]) + max(r[j] for j in cur + [i])
-        if cur and (len(cur) + 1) * width > max_tokens:
+        if cur and (len(cur) + 1) * (max(p_max, p[i]) + max(r_max, r[i])) > max_tokens:
             out.append(cur)
-            cur = []
+            cur, p_max, r_max = [], 0, 0
         cur.append(i)
+        p_max, r_max = max(p_max, p[i]), max(r_max, r[i])
     return out + [cur]
 
 
