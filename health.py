@@ -88,6 +88,7 @@ class Monitor:
         self.train = []  # training rows so far
         self.vals = {}  # val key -> [(step, value)]
         self.last_seen = {}  # signal -> the last step it was out of band
+        self.fired = {}  # signal -> how many warnings it raised
 
     def update(self, row):
         found = list(self._check_train(row)) if "actor/grad_norm" in row else []
@@ -97,6 +98,7 @@ class Monitor:
             last = self.last_seen.get(signal)
             if last is None or step - last > self.bands.quiet:
                 out.append(f"step {step}: {message}")
+                self.fired[signal] = self.fired.get(signal, 0) + 1
             self.last_seen[signal] = step
         return out
 
@@ -245,7 +247,7 @@ def judge(rows, config, bands):
     gn = col("actor/grad_norm")
     finite = gn[np.isfinite(gn)]
     over = int((finite > b.grad_norm_max).sum())
-    jumps = sum(1 for w in warnings if "jumped" in w)
+    jumps = monitor.fired.get("grad_norm_jump", 0)
     verdict = "problem" if len(finite) < len(gn) or np.median(finite) > b.grad_norm_max else "watch" if over or jumps else "healthy"
     add("stability", "grad norm (actor/grad_norm)",
         f"median {np.median(finite):.3g}, mean {finite.mean():.3g}, max {finite.max():.3g}; {over} of {len(gn)} steps above {b.grad_norm_max}, {jumps} jumps",
@@ -272,7 +274,7 @@ def judge(rows, config, bands):
     t = col("timing_s/step")
     head, tail_t = t[1 : max(len(t) // 10, 2)], t[-max(len(t) // 10, 1) :]
     slow = tail_t.mean() > b.step_time_jump * np.median(head) if len(head) else False
-    spikes = sum(1 for w in warnings if "timing_s/step" in w)
+    spikes = monitor.fired.get("step_time", 0)
     p10, p90 = np.percentile(t, [10, 90])
     testing = sum(r.get("timing_s/testing", 0.0) for r in rows)
     add("efficiency", "step time (timing_s/step)",
