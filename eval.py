@@ -180,7 +180,7 @@ def main(argv=None):
         max_len = limit
     engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed)
     out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                          seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))])  # fmt: skip
+                          seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))], logprobs=False)  # fmt: skip
     engine.close()
 
     eos = tokenizer.eos_token_id

@@ -130,6 +130,13 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(engine):
     assert other.response_ids != alone.response_ids  # and another seed gives other samples
 
 
+def test_without_logprobs_the_samples_are_the_same(engine):
+    asked = engine.generate(PROMPTS, n=3, max_new_tokens=10, seeds=[5, 6, 7])
+    skipped = engine.generate(PROMPTS, n=3, max_new_tokens=10, seeds=[5, 6, 7], logprobs=False)
+    assert skipped.response_ids == asked.response_ids and skipped.truncated == asked.truncated
+    assert skipped.logprobs == [] and len(asked.logprobs) == len(asked.response_ids)
+
+
 def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
     perturbed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     assert perturbed.lm_head.weight is perturbed.model.embed_tokens.weight  # tied, as in Qwen2.5-0.5B

@@ -268,6 +268,16 @@ def test_early_stopping_keeps_the_best_policy(tmp_path):
 
 
 @pytest.mark.slow
+def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
+    flags = [*SMALL, "--max-steps", "1", "--rollout", "hf", "--no-val-before-train", "--test-freq", "-1", "--save-freq", "-1"]
+    train(tmp_path, *flags, "--no-engine-logprobs")
+    (row,) = metrics(tmp_path)
+    assert "actor/pg_loss" in row and not [k for k in row if k.startswith("training/rollout_")]
+    proc = train(tmp_path / "tis", *flags, "--no-engine-logprobs", "--tis-cap", "2", check=False)
+    assert proc.returncode != 0 and "--tis-cap needs the engine's log-probs" in proc.stderr
+
+
+@pytest.mark.slow
 def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
     warnings and the end-of-run report say so (health.py)."""
