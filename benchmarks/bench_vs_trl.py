@@ -9,9 +9,13 @@ What runs. Every run is a fresh process, started the way a user would start it: 
 `torchrun --nproc_per_node=1 train_grpo.py ...`, TRL's with `GRPOTrainer(...).train()` (this file
 re-runs itself with --trl-worker). Both get the same tiny model and tokenizer (tiny_model.py), the
 same digits prompts in the same order, n samples per prompt, max new tokens, one optimizer step per
-rollout (TRL: the whole padded batch in one forward/backward; ours: the same gradient from
-micro-batches packed by length, --micro-batch-tokens), the same learning rate, no KL term, no reference
-model, fp32, and the same thread count.
+rollout, the same learning rate, no KL term, no reference model, fp32, and the same thread count.
+Each side splits the update's forward/backward its own fastest way, and both give the same gradient:
+ours packs sequences by length into micro-batches (--micro-batch-tokens), so padding is never computed
+on; TRL pads, so we first try its update in 1, 4 and 8 passes (--trl-passes: gradient accumulation
+over one generation batch) and use the fastest. Neither asks for per-token log-probs while sampling
+(ours: --no-engine-logprobs; TRL's transformers generation has none): our on-policy update does not
+need them.
 
   1. apples to apples: ours with `--rollout hf` (a transformers sampling loop) against TRL generating
      with transformers' `model.generate`.
@@ -23,13 +27,17 @@ model, fp32, and the same thread count.
      not tried.
 
 The runs alternate, A B C A B C ... with the order rotated every round, so slow drift of the machine
-hits every system alike. The first --warmup steps of every run are dropped. Step time is one whole
+hits every system alike. Round i samples with seed + i - 1 on both sides, so the rounds draw different
+answers and the tokens per step average out between the systems. The first --warmup steps of every run are dropped. Step time is one whole
 RL step: rollout, reward, advantages, log-probs, the update and (ours) the weight sync. For ours it is
 train_grpo.py's `timing_s/step`; for TRL the time from `on_step_begin` to `on_step_end` of a
 TrainerCallback, which holds the same phases (the dataloader fetch and TRL's logging fall outside,
 as our logging does). Generated tokens are counted with the EOS, the same way in both. Each run also
 reports how busy other processes kept the machine meanwhile ("other load"); above 10% its timings are
 flagged as disturbed: on 2 cores, one busy neighbour stalls every OpenMP barrier of a 2-thread run.
+
+The update's model-FLOPs utilisation (6 x matmul weights x real tokens / update time) is measured
+against this machine's fp32 matmul rate, timed in this process before and after the rounds.
 
 Then our step alone: how its time splits into phases (train_grpo.py's `timing_s/*`), and how step time
 and peak memory grow with the group size n and the response length (one run per point).
@@ -89,8 +97,11 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2, help="transformer blocks of that model")
     p.add_argument("--trl-engines", default=",".join(TRL_ENGINES),
                    help=f"TRL generation modes to try, comma-separated ({', '.join(TRL_ENGINES)}); generate is always tried")
+    p.add_argument("--trl-passes", default="1,4,8", help="TRL's update: split each step's completions into this many "
+                   "forward/backward passes (gradient_accumulation_steps = steps_per_generation), comma-separated; "
+                   "the fastest one is used")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data; round i samples (and orders the prompts) with seed + i - 1")
     p.add_argument("--work-dir", default=os.path.join(REPO, "runs", "bench_vs_trl"), help="model, data and every run's files")
     p.add_argument("--json", default="", help="also write every measurement and summary to this JSON file")
     p.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)  # internal: run one TRL training from a spec file
@@ -99,6 +110,7 @@ def parse_args(argv=None):
         return a
     a.sweep_n = parse_ints(p, "--sweep-n", a.sweep_n)
     a.sweep_len = parse_ints(p, "--sweep-len", a.sweep_len)
+    a.trl_passes = parse_ints(p, "--trl-passes", a.trl_passes)
     a.trl_engines = ["generate"] + [e.strip() for e in a.trl_engines.split(",") if e.strip() and e.strip() != "generate"]
     unknown = [e for e in a.trl_engines if e not in TRL_ENGINES]
     if unknown:
@@ -115,6 +127,8 @@ def parse_args(argv=None):
         (a.hidden < 64 or a.hidden % 64, "--hidden must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)"),
         (a.layers < 1, "--layers must be at least 1"),
         (a.threads < 1, "--threads must be at least 1"),
+        (not a.trl_passes or any(k < 1 or (a.prompts * a.group_size) % k for k in a.trl_passes),
+         f"every --trl-passes value must divide the completions per step, {a.prompts * a.group_size}"),
     ]
     for bad, message in problems:
         if bad:
@@ -185,10 +199,7 @@ def versions():
 
 
 def prepare_inputs(args):
-    """Build the tiny model and the digits task once; write the prompts TRL gets, in the order ours
-    will see them. Returns (model_dir, train_parquet, val_parquet, prompts_jsonl)."""
-    import torch
-
+    """Build the tiny model and the digits task once. Returns (model_dir, train_parquet, val_parquet)."""
     import data_prep
     from tiny_model import build_tiny_model
 
@@ -201,6 +212,14 @@ def prepare_inputs(args):
     train, val = os.path.join(data_dir, "train.parquet"), os.path.join(data_dir, "test.parquet")
     if not (os.path.isfile(train) and os.path.isfile(val)):
         data_prep.write_task(data_dir, seed=args.seed)
+    return model_dir, train, val
+
+
+def prompts_for(args, train, seed):
+    """Write the prompts TRL gets when both run with `seed`, in the order ours will see them; returns the path."""
+    import torch
+
+    import data_prep
 
     # train_grpo.py walks the training rows in torch.randperm order seeded by seed + epoch, and step s
     # takes the next prompt_batch_size of them. TRL gets exactly that list, unshuffled. (Every digits
@@ -209,13 +228,13 @@ def prepare_inputs(args):
     steps = max(args.steps, args.sweep_steps, args.probe_steps)
     if steps * args.prompts > len(rows):
         raise SystemExit(f"{train}: {len(rows)} prompts, fewer than steps x prompts = {steps * args.prompts}")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + 0)).tolist()
-    prompts_path = os.path.join(args.work_dir, "prompts.jsonl")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 0)).tolist()
+    prompts_path = os.path.join(args.work_dir, f"prompts-seed{seed}.jsonl")
     with open(prompts_path, "w") as f:
         for i in order[: steps * args.prompts]:
             r = rows[i]
             f.write(json.dumps(dict(prompt=r["prompt"], data_source=r["data_source"], ground_truth=r["reward_model"]["ground_truth"])) + "\n")
-    return model_dir, train, val, prompts_path
+    return prompts_path
 
 
 def model_summary(model_dir):
@@ -226,6 +245,49 @@ def model_summary(model_dir):
     config = AutoConfig.from_pretrained(model_dir)
     params = sum(t.numel() for t in load_file(os.path.join(model_dir, "model.safetensors")).values())
     return f"Llama, hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}, {params / 1e6:.2f}M parameters"
+
+
+def matmul_params(model_dir):
+    """The weights a token's forward pass multiplies with: every 2-D tensor but the embedding table, plus
+    the LM head when it is tied to that table (looking a row up is free; the head is a matmul)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    count = sum(t.numel() for name, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in name)
+    if "lm_head.weight" not in tensors:
+        config = AutoConfig.from_pretrained(model_dir)
+        count += config.vocab_size * config.hidden_size
+    return count
+
+
+def matmul_rate(threads, size=2048, reps=15):
+    """This machine's fp32 matmul rate in FLOP/s: the median of `reps` timed size x size products, on
+    `threads` threads (what the runs get)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * size**3 / statistics.median(times)
+
+
+def update_mfu(runs, warmup, n_matmul, rate):
+    """Model-FLOPs utilisation of the update phase, pooled over the runs' kept steps: 6 FLOPs per matmul
+    weight per token (forward 2, backward 4) over the real tokens, prompt and answer (padding is not
+    useful work), divided by the update's time and by the measured matmul rate. Attention's own
+    FLOPs are left out (about 1% at these lengths)."""
+    records = [r for run in runs for r in kept(run, warmup)]
+    tokens = statistics.median(r["prompt_tokens"] + r["gen_tokens"] for r in records)
+    achieved = statistics.median(6 * n_matmul * (r["prompt_tokens"] + r["gen_tokens"]) / r["update_s"] for r in records)
+    return dict(tokens=tokens, gflop=6 * n_matmul * tokens / 1e9, update_s=statistics.median(r["update_s"] for r in records),
+                gflops=achieved / 1e9, mfu=achieved / rate)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,13 +328,13 @@ def fresh_dir(path):
     return path
 
 
-def run_ours(args, inputs, name, engine, n, length, steps):
+def run_ours(args, inputs, name, engine, n, length, steps, seed):
     """train_grpo.py under torchrun, every setting explicit. Returns its per-step records."""
-    model_dir, train, val, _ = inputs
+    model_dir, train, val = inputs
     run_dir = fresh_dir(os.path.join(args.work_dir, "runs", name))
     out_dir = os.path.join(run_dir, "out")
     flags = dict(
-        model=model_dir, train_data=train, val_data=val, out_dir=out_dir, seed=args.seed, rollout=engine,
+        model=model_dir, train_data=train, val_data=val, out_dir=out_dir, seed=seed, rollout=engine,
         prompt_batch_size=args.prompts, group_size=n, max_prompt_length=32, max_response_length=length, max_steps=steps,
         # one optimizer step per rollout, as TRL below. TRL runs the whole padded batch in one
         # forward/backward; ours packs it by length so that padding is not computed on (the same gradient)
@@ -284,7 +346,9 @@ def run_ours(args, inputs, name, engine, n, length, steps):
         test_freq=-1, save_freq=-1, resume="never",
     )  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + ["--no-val-before-train", "--no-save-model"]
+    # TRL's transformers generation returns no per-token log-probs, and our on-policy update does not
+    # need the engine's: they would only feed the engine-vs-trainer gap metrics
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"]
     t = time.perf_counter()
     ok, error, other_load = run_process(cmd, run_dir, args.threads)
     if not ok:
@@ -298,15 +362,16 @@ def run_ours(args, inputs, name, engine, n, length, steps):
             step=m["step"], step_s=m["timing_s/step"], gen_s=m["timing_s/gen"], reward_s=m["timing_s/reward"],
             logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"], update_s=m["timing_s/update_actor"],
             sync_s=m["timing_s/update_weights"], gen_tokens=m["response_length/mean"] * args.prompts * n,
-            rss_gb=m["perf/max_memory_allocated_gb"],
+            prompt_tokens=m["prompt_length/mean"] * args.prompts * n, rss_gb=m["perf/max_memory_allocated_gb"],
         ))  # fmt: skip
-    check_same_prompts(args, inputs, os.path.join(out_dir, "samples", "train.jsonl"), name)
-    return dict(name=name, system=f"ours-{engine}", n=n, length=length, wall_s=time.perf_counter() - t, other_load=other_load, records=records)
+    check_same_prompts(args, prompts_for(args, train, seed), os.path.join(out_dir, "samples", "train.jsonl"), name)
+    return dict(name=name, system=f"ours-{engine}", n=n, length=length, seed=seed, wall_s=time.perf_counter() - t,
+                other_load=other_load, records=records)  # fmt: skip
 
 
-def check_same_prompts(args, inputs, samples_path, name):
+def check_same_prompts(args, prompts_path, samples_path, name):
     """train_grpo.py logs each step's first prompt: it must be the one TRL gets for that step."""
-    expected = [json.loads(line)["prompt"][0]["content"] for line in open(inputs[3])]
+    expected = [json.loads(line)["prompt"][0]["content"] for line in open(prompts_path)]
     seen = {}
     for line in open(samples_path):
         s = json.loads(line)
@@ -314,16 +379,17 @@ def check_same_prompts(args, inputs, samples_path, name):
     wrong = [step for step, prompt in seen.items() if expected[(step - 1) * args.prompts] not in prompt]
     if wrong:
         print(f"warning: {name}: steps {wrong} used other prompts than TRL gets; train_grpo.py's data order has changed, "
-              "update prepare_inputs() to match it", flush=True)  # fmt: skip
+              "update prompts_for() to match it", flush=True)  # fmt: skip
 
 
-def run_trl(args, inputs, name, engine, n, length, steps, must_work=True):
+def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_work=True):
     """GRPOTrainer in a fresh process (this file with --trl-worker). Returns its per-step records,
     or, with must_work=False, a record of the failure."""
-    model_dir, _, _, prompts = inputs
+    model_dir, train, _ = inputs
     run_dir = fresh_dir(os.path.join(args.work_dir, "runs", name))
-    spec = dict(model=model_dir, prompts=prompts, out_dir=os.path.join(run_dir, "out"), engine=engine, prompts_per_step=args.prompts,
-                n=n, length=length, steps=steps, lr=args.lr, seed=args.seed, max_model_len=32 + length)  # fmt: skip
+    spec = dict(model=model_dir, prompts=prompts_for(args, train, seed), out_dir=os.path.join(run_dir, "out"), engine=engine,
+                prompts_per_step=args.prompts, n=n, length=length, steps=steps, lr=args.lr, seed=seed, max_model_len=32 + length,
+                passes=passes)  # fmt: skip
     spec_path = os.path.join(run_dir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f, indent=2)
@@ -334,7 +400,8 @@ def run_trl(args, inputs, name, engine, n, length, steps, must_work=True):
             raise SystemExit(f"TRL run {name} failed: {error}\n  log: {os.path.join(run_dir, 'log.txt')}")
         return dict(name=name, system=f"trl-{engine}", error=error, other_load=other_load or 0.0, records=[])
     records = [json.loads(line) for line in open(os.path.join(spec["out_dir"], "steps.jsonl"))]
-    return dict(name=name, system=f"trl-{engine}", n=n, length=length, wall_s=time.perf_counter() - t, other_load=other_load, records=records)
+    return dict(name=name, system=f"trl-{engine}", n=n, length=length, seed=seed, passes=passes, wall_s=time.perf_counter() - t,
+                other_load=other_load, records=records)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,12 +429,15 @@ def trl_worker(spec_path):
 
     rows = [json.loads(line) for line in open(spec["prompts"])]
     P, n = spec["prompts_per_step"], spec["n"]
+    mb = P * n // spec["passes"]  # completions per forward/backward
     config = GRPOConfig(
         output_dir=spec["out_dir"], seed=spec["seed"], use_cpu=True, bf16=False, fp16=False,
         max_steps=spec["steps"], shuffle_dataset=False,  # the prompts come in our order
-        # per_device_train_batch_size counts completions: P prompts x n samples in one forward/backward,
-        # one generation batch per optimizer step (steps_per_generation = gradient_accumulation_steps = 1)
-        num_generations=n, per_device_train_batch_size=P * n, gradient_accumulation_steps=1, steps_per_generation=1,
+        # per_device_train_batch_size counts completions. One generation of P prompts x n samples per
+        # optimizer step (steps_per_generation = gradient_accumulation_steps), its update split in `passes`
+        # forward/backward passes of mb completions, each padded to its own longest sequence. dapo divides
+        # by the tokens of the whole generation batch, so the gradient does not depend on the split.
+        num_generations=n, per_device_train_batch_size=mb, gradient_accumulation_steps=P * n // mb, steps_per_generation=P * n // mb,
         num_iterations=1, max_completion_length=spec["length"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch",  # torch.optim.AdamW, as ours
@@ -387,6 +457,7 @@ def trl_worker(spec_path):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *a, **kw)
             clock["gen_s"] += time.perf_counter() - t
             clock["gen_tokens"] += sum(len(c) for c in completion_ids)  # the EOS included, as ours counts
+            clock["prompt_tokens"] += sum(len(p) for p in prompt_ids)  # one entry per completion
             return completion_ids, logprobs
 
         def _generate_and_score_completions(self, inputs):
@@ -401,7 +472,7 @@ def trl_worker(spec_path):
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            clock.update(t0=time.perf_counter(), gen_s=0.0, gen_tokens=0, rollout_s=0.0, optimizer_steps=0)
+            clock.update(t0=time.perf_counter(), gen_s=0.0, gen_tokens=0, prompt_tokens=0, rollout_s=0.0, optimizer_steps=0)
 
         def on_optimizer_step(self, args, state, control, **kw):
             clock["optimizer_steps"] += 1
@@ -410,7 +481,8 @@ def trl_worker(spec_path):
             step_s = time.perf_counter() - clock["t0"]
             record = dict(
                 step=state.global_step, step_s=step_s, gen_s=clock["gen_s"], reward_s=clock["rollout_s"] - clock["gen_s"],
-                update_s=step_s - clock["rollout_s"], gen_tokens=clock["gen_tokens"], optimizer_steps=clock["optimizer_steps"],
+                update_s=step_s - clock["rollout_s"], gen_tokens=clock["gen_tokens"], prompt_tokens=clock["prompt_tokens"],
+                optimizer_steps=clock["optimizer_steps"],
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             )  # fmt: skip
             steps_file.write(json.dumps(record) + "\n")
@@ -512,17 +584,34 @@ def main():
     print_table("the work of one step (both systems)", ["setting", "value"], [
         ["model", model_summary(inputs[0])], ["prompts per step", args.prompts], ["samples per prompt (n)", args.group_size],
         ["completions per step", args.prompts * args.group_size], ["max new tokens", args.response_length],
-        ["optimizer steps per rollout", 1], ["sequences per forward/backward", args.prompts * args.group_size],
+        ["optimizer steps per rollout", 1],
+        ["sequences per forward/backward", (f"ours: packed by length, up to {args.micro_batch_tokens} tokens" if args.micro_batch_tokens
+                                            else f"ours: {P * n}, padded") + f"; TRL: the fastest of "
+                                           f"{', '.join(str(P * n // k) for k in args.trl_passes)}, each padded (probed below)"],
         ["learning rate", args.lr], ["KL / reference model", "off / none"], ["precision", "fp32"],
         ["threads", args.threads], ["steps per run (warm-up dropped)", f"{args.steps} ({args.warmup})"],
     ])  # fmt: skip
     results = dict(config=vars(args), versions=info, runs=[])
+    rates = [matmul_rate(args.threads)]  # again after the comparison: the machine's clock drifts
 
-    # ---- which of TRL's generation modes work here, and which is fastest
-    print("\nTRL engines: trying each of TRL's generation modes for a few steps ...", flush=True)
+    # ---- TRL's fastest settings here: into how many passes its update splits a step, then which generation mode
     probe_warmup = args.probe_steps // 2
-    probes = {e: run_trl(args, inputs, f"probe-trl-{e}", e, n, L, args.probe_steps, must_work=False) for e in args.trl_engines}
-    results["runs"] += probes.values()
+    print(f"\nTRL's update: splitting each step's {P * n} completions into {args.trl_passes} forward/backward passes ...", flush=True)
+    splits = {k: run_trl(args, inputs, f"probe-trl-passes{k}", "generate", n, L, args.probe_steps, args.seed, passes=k) for k in args.trl_passes}
+    results["runs"] += splits.values()
+    print_table(f"TRL's update split into passes ({args.probe_steps} steps, first {probe_warmup} dropped)",
+                ["passes", "completions per pass", "median update s", "median step s", "load"],
+                [[k, P * n // k, f"{median_of(run, 'update_s', probe_warmup):.3f}", f"{median_of(run, 'step_s', probe_warmup):.3f}",
+                  load_note(run)] for k, run in splits.items()])  # fmt: skip
+    passes = min(splits, key=lambda k: median_of(splits[k], "step_s", probe_warmup))
+    print(f"TRL's fastest split here: {passes} pass(es) of {P * n // passes} completions; every TRL run below uses it", flush=True)
+    results["trl_passes"] = passes
+
+    print("\nTRL engines: trying each of TRL's generation modes for a few steps ...", flush=True)
+    probes = {e: splits[passes] if e == "generate" else
+              run_trl(args, inputs, f"probe-trl-{e}", e, n, L, args.probe_steps, args.seed, passes=passes, must_work=False)
+              for e in args.trl_engines}  # fmt: skip
+    results["runs"] += [run for e, run in probes.items() if e != "generate"]
     rows = []
     for engine, run in probes.items():
         works = bool(kept(run, probe_warmup))
@@ -538,7 +627,10 @@ def main():
     trl_best = min(working, key=working.get)
     print(f"TRL's best here: {trl_best}", flush=True)
 
-    # ---- the comparison: every system once per round, the order rotated each round
+    # ---- the comparison: every system once per round, the order rotated each round. Round i samples with
+    # seed + i - 1 on both sides (and takes the prompts in that seed's order): one seed would make every
+    # round draw the same samples, and a single draw of 16 x 8 answers per step has a mean length that is
+    # off by a few percent either way, so the tokens per step would differ between the systems by chance
     systems = ["ours-hf", "trl-generate", "ours-vllm"] + ([f"trl-{trl_best}"] if trl_best != "generate" else [])
     by_system = {s: [] for s in systems}
     for i in range(args.rounds):
@@ -547,7 +639,10 @@ def main():
             who, engine = system.split("-", 1)
             name = f"round{i + 1}-{system}"
             print(f"round {i + 1}/{args.rounds}: {system} ...", end=" ", flush=True)
-            run = (run_ours if who == "ours" else run_trl)(args, inputs, name, engine, n, L, args.steps)
+            if who == "ours":
+                run = run_ours(args, inputs, name, engine, n, L, args.steps, args.seed + i)
+            else:
+                run = run_trl(args, inputs, name, engine, n, L, args.steps, args.seed + i, passes=passes)
             run["round"] = i + 1
             by_system[system].append(run)
             results["runs"].append(run)
@@ -576,6 +671,21 @@ def main():
         print_table(f"{title}: {ours} vs {peer}, per round (speedup = {peer} step / {ours} step)",
                     ["round", f"{ours} s", f"{peer} s", "speedup"], rows)  # fmt: skip
 
+    # ---- how well the update uses the machine
+    rates.append(matmul_rate(args.threads))
+    rate, n_matmul = max(rates), matmul_params(inputs[0])
+    mfu = {system: update_mfu(by_system[system], args.warmup, n_matmul, rate) for system in ("ours-vllm", "ours-hf", "trl-generate")}
+    results["update_mfu"] = dict(matmul_rate_gflops=[r / 1e9 for r in rates], matmul_params=n_matmul, systems=mfu)
+    print_table(
+        f"the update's model-FLOPs utilisation (MFU) against the measured fp32 matmul rate, {rate / 1e9:.0f} GFLOP/s "
+        f"(2048^3 products on {args.threads} threads; {', '.join(f'{r / 1e9:.0f}' for r in rates)} before and after the rounds)",
+        ["system", "real tokens per update", "model GFLOP", "update s", "GFLOP/s", "MFU"],
+        [[k, f"{v['tokens']:.0f}", f"{v['gflop']:.1f}", f"{v['update_s']:.3f}", f"{v['gflops']:.1f}", f"{100 * v['mfu']:.0f}%"]
+         for k, v in mfu.items()],
+        note=f"model FLOPs = 6 x {n_matmul / 1e6:.2f}M matmul weights x real tokens (prompt + answer). TRL computes on padding "
+             "too, to the longest sequence of the batch; that work is not counted.",
+    )  # fmt: skip
+
     # ---- where our step's time goes
     ours_phases = [("gen_s", "generation"), ("reward_s", "reward"), ("logprob_s", "log-probs (old + ref)"),
                    ("update_s", "update (fwd+bwd+AdamW)"), ("sync_s", "weight sync")]  # fmt: skip
@@ -591,7 +701,7 @@ def main():
     sweep_rows = []
     for pn, pl in points:
         print(f"sweep: ours-vllm n={pn} response length={pl} ...", end=" ", flush=True)
-        run = run_ours(args, inputs, f"sweep-n{pn}-len{pl}", "vllm", pn, pl, args.sweep_steps)
+        run = run_ours(args, inputs, f"sweep-n{pn}-len{pl}", "vllm", pn, pl, args.sweep_steps, args.seed)
         results["runs"].append(run)
         print(f"median step {median_of(run, 'step_s', args.warmup):.3f} s, {load_note(run)}", flush=True)
         s = summarize([run], args.warmup)

@@ -23,6 +23,7 @@ def test_the_peer_is_pinned():
         (["--steps", "5", "--warmup", "5"], "--steps (5) must be larger than --warmup (5)"),
         (["--trl-engines", "generate,sglang"], "unknown ['sglang']"),
         (["--sweep-n", "4,eight"], "expected comma-separated integers"),
+        (["--trl-passes", "3"], "every --trl-passes value must divide the completions per step, 128"),
     ],
 )
 def test_bad_settings_are_refused_with_the_reason(argv, message, capsys):
@@ -36,3 +37,18 @@ def test_statistics_of_kept_steps():
     kept = [r["step_s"] for r in bench.kept(run, warmup=2)]
     assert kept == [3.0, 4.0, 5.0, 6.0, 7.0]
     assert bench.stats(kept) == dict(median=5.0, p25=4.0, p75=6.0, min=3.0, max=7.0, count=5)
+
+
+def test_matmul_weights_count_the_tied_head_but_not_the_lookup(tmp_path):
+    from tiny_model import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "m"), ["a", "b", "c"], hidden=128, layers=2, heads=2, intermediate=512)
+    vocab = 7 + 3  # the special tokens and the words
+    per_layer = 4 * 128 * 128 + 3 * 128 * 512  # q, k, v, o and the gated MLP
+    assert bench.matmul_params(model) == 2 * per_layer + vocab * 128
+
+
+def test_update_mfu_is_model_flops_over_time_over_the_machine_rate():
+    steps = [{"step": s, "prompt_tokens": 1000, "gen_tokens": 3000, "update_s": 2.0} for s in range(1, 5)]
+    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=1_000_000, rate=24e9)
+    assert out["tokens"] == 4000 and out["gflop"] == 24.0 and out["gflops"] == 12.0 and out["mfu"] == 0.5
