@@ -27,14 +27,15 @@ need them.
      not tried.
 
 The runs alternate, A B C A B C ... with the order rotated every round, so slow drift of the machine
-hits every system alike. Round i samples with seed + i - 1 on both sides, so the rounds draw different
-answers and the tokens per step average out between the systems. The first --warmup steps of every run are dropped. Step time is one whole
-RL step: rollout, reward, advantages, log-probs, the update and (ours) the weight sync. For ours it is
-train_grpo.py's `timing_s/step`; for TRL the time from `on_step_begin` to `on_step_end` of a
-TrainerCallback, which holds the same phases (the dataloader fetch and TRL's logging fall outside,
-as our logging does). Generated tokens are counted with the EOS, the same way in both. Each run also
-reports how busy other processes kept the machine meanwhile ("other load"); above 10% its timings are
-flagged as disturbed: on 2 cores, one busy neighbour stalls every OpenMP barrier of a 2-thread run.
+hits every system alike. Round i samples with seed + i - 1 on both sides, so the rounds draw
+different answers and the tokens per step average out between the systems. The first --warmup steps
+of every run are dropped. Step time is one whole RL step: rollout, reward, advantages, log-probs,
+the update and (ours) the weight sync. For ours it is train_grpo.py's `timing_s/step`; for TRL the
+time from `on_step_begin` to `on_step_end` of a TrainerCallback, which holds the same phases (the
+dataloader fetch and TRL's logging fall outside, as our logging does). Generated tokens are counted
+with the EOS, the same way in both. Each run also reports how busy other processes kept the machine
+meanwhile ("other load"); above 10% its timings are flagged as disturbed: on 2 cores, one busy
+neighbour stalls every OpenMP barrier of a 2-thread run.
 
 The update's model-FLOPs utilisation (6 x matmul weights x real tokens / update time) is measured
 against this machine's fp32 matmul rate, timed in this process before and after the rounds.
@@ -437,7 +438,7 @@ def trl_worker(spec_path):
         # optimizer step (steps_per_generation = gradient_accumulation_steps), its update split in `passes`
         # forward/backward passes of mb completions, each padded to its own longest sequence. dapo divides
         # by the tokens of the whole generation batch, so the gradient does not depend on the split.
-        num_generations=n, per_device_train_batch_size=mb, gradient_accumulation_steps=P * n // mb, steps_per_generation=P * n // mb,
+        num_generations=n, per_device_train_batch_size=mb, gradient_accumulation_steps=spec["passes"], steps_per_generation=spec["passes"],
         num_iterations=1, max_completion_length=spec["length"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch",  # torch.optim.AdamW, as ours
