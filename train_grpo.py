@@ -290,14 +290,18 @@ def window(batch, rows):
 
 
 def response_logits(model, view):
-    """Forward pass on a window of a batch; returns the logits that predict each response token."""
+    """Forward pass on a window of a batch; returns the logits that predict each response token.
+    The LM head runs only on the last r + 1 positions (the window ends with the responses): with a
+    real vocabulary, its logits on the prompt would be a large share of the FLOPs and the memory."""
+    r = view["responses"].shape[1]
     out = model(
         input_ids=view["input_ids"].to(DEVICE),
         attention_mask=view["attention_mask"].to(DEVICE),
         position_ids=view["position_ids"].to(DEVICE),
         use_cache=False,
+        logits_to_keep=r + 1,
     )
-    return out.logits[:, view["prompt_width"] - 1 : -1]  # [b, r, V]
+    return out.logits[:, :-1]  # [b, r, V]: position prompt_width - 1 + t predicts response token t
 
 
 @torch.no_grad()

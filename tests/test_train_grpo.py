@@ -241,6 +241,9 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
         torch.testing.assert_close(got * batch["response_mask"], whole * batch["response_mask"], rtol=0, atol=1e-5)
     view = train_grpo.window(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
     assert view["input_ids"].shape == (2, 7) and view["responses"].shape == (2, 2)
+    # the LM head runs only on the response positions: the same logits as a full forward, sliced
+    full = model(input_ids=view["input_ids"], attention_mask=view["attention_mask"], position_ids=view["position_ids"]).logits
+    torch.testing.assert_close(train_grpo.response_logits(model, view), full[:, view["prompt_width"] - 1 : -1], rtol=0, atol=1e-6)
 
 
 def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
