@@ -679,7 +679,8 @@ def main():
                     logits = response_logits(policy, view)
                     logp = logprobs_from_logits(logits, view["responses"].to(DEVICE), args.temperature)
                     old = logp.detach() if old_logp is None else old_logp[mb, :r].to(DEVICE)
-                    trainer_logp[mb, :r] = old.float().cpu()
+                    if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
+                        trainer_logp[mb, :r] = old.float().cpu()
                     is_weights = None
                     if args.tis_cap > 0:
                         is_weights = torch.exp(old - engine_logp[mb, :r].to(DEVICE)).clamp(max=args.tis_cap) * m
