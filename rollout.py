@@ -82,6 +82,28 @@ def with_tied_lm_head(named_tensors):
             yield "lm_head.weight", tensor
 
 
+def cpu_scheduling(on_cuda, max_model_len):
+    """vLLM scheduler settings that keep seeded sampling working on CPU.
+
+    vLLM packs at most max_num_batched_tokens (4096 on CPU) prompt and decode tokens into one
+    engine step. With chunked prefill (its default) a prompt that does not fit what is left of a
+    step is split over two steps, and the sample drawn after the first part is thrown away: vLLM
+    then rewinds that request's random generator (`generator.set_offset`). A CUDA generator can
+    rewind; a CPU generator raises "CPU Generator does not use offset". GSM8K-length prompts hit
+    this in any rollout of more than about 35 sequences.
+
+    So on CPU every prefill is scheduled whole: chunked prefill off, and a step budget that holds
+    the longest possible sequence. A prompt that does not fit the rest of a step waits for the
+    next one; nothing is drawn and thrown away, so each request's samples still depend only on
+    its seed. (vLLM warns that the model "does not officially support disabling chunked
+    prefill"; our tests check the samples and log-probs against transformers.) CUDA keeps
+    vLLM's defaults.
+    """
+    if on_cuda:
+        return {}
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
+
+
 class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
@@ -97,6 +119,7 @@ class VLLMEngine:
         self.tied = getattr(AutoConfig.from_pretrained(str(model_path)), "tie_word_embeddings", False)
         self.on_cuda = torch.cuda.is_available()
         self.llm = LLM(
+            **cpu_scheduling(self.on_cuda, max_model_len),
             model=str(model_path),
             dtype=dtype,
             max_model_len=max_model_len,

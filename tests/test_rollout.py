@@ -5,6 +5,7 @@ log softmax(logits / temperature) of each sampled token, via `loss.logprobs_from
 vLLM engine serves the whole module (it takes ~15 s to start); the HF engine is cheap.
 """
 
+import random
 import sys
 
 import pytest
@@ -93,10 +94,10 @@ def test_greedy_matches_argmax(engine, ref_model):
         torch.testing.assert_close(torch.tensor(out.logprobs[i * n]), expected, atol=1e-4, rtol=0)
 
 
-def assert_logprobs_match(out, model, n, temperature, top_k=-1, top_p=1.0):
+def assert_logprobs_match(out, model, n, temperature, top_k=-1, top_p=1.0, prompts=PROMPTS):
     """Each sample's log-probs equal log softmax(filtered logits / temperature) of the reference model."""
     for k, (ids, lps) in enumerate(zip(out.response_ids, out.logprobs)):
-        logits = reference_logits(model, PROMPTS[k // n], ids)  # [T, V]
+        logits = reference_logits(model, prompts[k // n], ids)  # [T, V]
         if top_k == -1 and top_p == 1.0:  # the trainer's formula, exactly
             expected = logprobs_from_logits(logits[None], torch.tensor([ids]), temperature)[0]  # [T]
         else:
@@ -128,6 +129,24 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(engine):
     assert len({tuple(s) for s in alone.response_ids}) > 1  # the n samples differ from each other
     other = engine.generate([prompt], n=n, max_new_tokens=10, seeds=[43])
     assert other.response_ids != alone.response_ids  # and another seed gives other samples
+
+
+def test_a_rollout_several_times_vllms_step_budget_keeps_per_prompt_seeds(engine, ref_model):
+    # Regression: vLLM packs at most 4096 tokens into an engine step. Seeded prompts beyond that
+    # crashed the CPU engine ("CPU Generator does not use offset"): chunked prefill split a
+    # prompt over two steps, then rewound its generator. GSM8K prompts hit it at ~35 sequences.
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(7, 19) for _ in range(59)] for _ in range(256)]  # 15,360 prompt tokens
+    n = 2
+    out = engine.generate(prompts, n=n, temperature=1.0, max_new_tokens=4, seeds=list(range(len(prompts))))
+    assert len(out.response_ids) == len(out.logprobs) == len(prompts) * n
+    for i in (0, 97, 255):  # a prompt's samples are those it draws alone: nothing was drawn and thrown away
+        alone = engine.generate([prompts[i]], n=n, temperature=1.0, max_new_tokens=4, seeds=[i])
+        assert samples_of(out, i, n) == alone.response_ids
+        assert sum(out.logprobs[i * n : (i + 1) * n], []) == pytest.approx(sum(alone.logprobs, []), abs=1e-5)
+    some = [0, 97, 255]
+    picked = Rollout(sum((samples_of(out, i, n) for i in some), []), sum((out.logprobs[i * n : (i + 1) * n] for i in some), []))
+    assert_logprobs_match(picked, ref_model, n, 1.0, prompts=[prompts[i] for i in some])
 
 
 def test_without_logprobs_the_samples_are_the_same(engine):
