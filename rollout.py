@@ -51,8 +51,22 @@ def check_model_path(model_path):
         raise FileNotFoundError(
             f"model path {model_path!r} is not a Hugging Face model directory (no config.json there). "
             "Pass a local directory holding config.json, the weights and the tokenizer, e.g. one written by "
-            "`python tiny_model.py --out DIR` or downloaded with `huggingface-cli download`."
+            "`python models.py tiny --out DIR` or downloaded with `huggingface-cli download`."
         )
+
+
+def stop_token_ids(model_path):
+    """The token ids that end a response: every EOS of the generation config (where chat models
+    list their end-of-turn token, e.g. Qwen2.5's <|im_end|> and <|endoftext|>) and the
+    tokenizer's EOS, as vLLM stops at them. Sorted."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_path)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted(set(eos) | {AutoTokenizer.from_pretrained(str(model_path)).eos_token_id} - {None})
 
 
 def sample_seeds(seeds, n_prompts, n):
@@ -214,16 +228,13 @@ class HFEngine:
     def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, device=None, max_batch_size=64,
                  **unused):
         check_model_path(model_path)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
-        # stop at any EOS the generation config or the tokenizer names, as vLLM does
-        eos = self.model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_ids = sorted(set(eos) | {AutoTokenizer.from_pretrained(str(model_path)).eos_token_id} - {None})
+        self.eos_ids = stop_token_ids(model_path)  # as vLLM: any EOS of the generation config or the tokenizer
         self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0  # any id works: padding is masked out
         self.rng = torch.Generator().manual_seed(seed)  # draws prompt seeds when the caller gives none
         # name -> tensor in the model; a tied lm_head.weight is the same tensor as the embedding

@@ -394,7 +394,7 @@ def main():
     if args.model == "tiny":
         changed = ", ".join(f"{k}={v}" for k, v in DEMO_OVERRIDES.items() if getattr(args, k) == v)
         print0(f"demo: the tiny model learns from scratch, so these replace verl's fine-tuning defaults: {changed}")
-        from tiny_model import build_tiny_model
+        from models import build_tiny_model
 
         args.model = os.path.join(args.out_dir, "tiny_model")
         if rank == 0:
@@ -443,7 +443,7 @@ def main():
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    from rollout import make_engine
+    from rollout import make_engine, stop_token_ids
 
     engine_dtype = "bfloat16" if cuda else "float32"
     engine = make_engine(
@@ -491,7 +491,7 @@ def main():
         prompt's samples do not depend on how the batch is split over ranks."""
         return [(args.seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]
 
-    eos_ids = {tokenizer.eos_token_id} | set(engine_eos_ids(args.model))
+    eos_ids = set(stop_token_ids(args.model))
 
     def decode(ids):
         """The text the reward sees: every token the model wrote except the final EOS. We keep the
@@ -803,17 +803,6 @@ def main():
     engine.close()  # before destroy_process_group, or vLLM's shutdown fails
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
         dist.destroy_process_group()
-
-
-def engine_eos_ids(model_path):
-    """The EOS ids in the model's generation config (where chat models list their end-of-turn token)."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def all_gather(obj):

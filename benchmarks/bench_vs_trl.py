@@ -7,7 +7,7 @@
 
 What runs. Every run is a fresh process, started the way a user would start it: ours with
 `torchrun --nproc_per_node=1 train_grpo.py ...`, TRL's with `GRPOTrainer(...).train()` (this file
-re-runs itself with --trl-worker). Both get the same tiny model and tokenizer (tiny_model.py), the
+re-runs itself with --trl-worker). Both get the same tiny model and tokenizer (models.py tiny), the
 same digits prompts in the same order, n samples per prompt, max new tokens, one optimizer step per
 rollout, the same learning rate, no KL term, no reference model, fp32, and the same thread count.
 Each side splits the update's forward/backward its own fastest way, and both give the same gradient:
@@ -67,7 +67,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIREMENTS = os.path.join(REPO, "benchmarks", "requirements-bench.txt")
-sys.path.insert(0, REPO)  # data_prep, reward, tiny_model
+sys.path.insert(0, REPO)  # data_prep, reward, models
 
 # TRL's generation modes, as this benchmark names them, and the GRPOConfig fields that select them
 TRL_ENGINES = {
@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--sweep-len", default="16,32,64", help="response lengths for our scaling sweep (comma-separated; empty: skip)")
     p.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep run, warm-up included")
     p.add_argument("--probe-steps", type=int, default=4, help="steps of each TRL engine's trial run; the first half is dropped")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of the model built with tiny_model.py (a multiple of 64)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size of the model built by models.build_tiny_model (a multiple of 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks of that model")
     p.add_argument("--trl-engines", default=",".join(TRL_ENGINES),
                    help=f"TRL generation modes to try, comma-separated ({', '.join(TRL_ENGINES)}); generate is always tried")
@@ -202,12 +202,12 @@ def versions():
 def prepare_inputs(args):
     """Build the tiny model and the digits task once. Returns (model_dir, train_parquet, val_parquet)."""
     import data_prep
-    from tiny_model import build_tiny_model
+    from models import build_tiny_model
 
     model_dir = os.path.join(args.work_dir, f"model-h{args.hidden}-l{args.layers}-seed{args.seed}")
     data_dir = os.path.join(args.work_dir, f"data-seed{args.seed}")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        # the demo's model at the default size; heads of 64 dims, the MLP 4x wide, as tiny_model.py's default
+        # the demo's model at the default size; heads of 64 dims, the MLP 4x wide, as models.build_tiny_model's default
         build_tiny_model(model_dir, data_prep.TASK_WORDS, hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
                          intermediate=4 * args.hidden, seed=args.seed)  # fmt: skip
     train, val = os.path.join(data_dir, "train.parquet"), os.path.join(data_dir, "test.parquet")

@@ -40,7 +40,7 @@ def test_statistics_of_kept_steps():
 
 
 def test_matmul_weights_count_the_tied_head_but_not_the_lookup(tmp_path):
-    from tiny_model import build_tiny_model
+    from models import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "m"), ["a", "b", "c"], hidden=128, layers=2, heads=2, intermediate=512)
     vocab = 7 + 3  # the special tokens and the words

@@ -119,7 +119,7 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     run = tmp_path / "run"
     shutil.copytree(baselines / "ranks1", run)
     import data_prep
-    from tiny_model import build_tiny_model
+    from models import build_tiny_model
 
     other = build_tiny_model(str(tmp_path / "other_model"), data_prep.TASK_WORDS, layers=3)
     cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *RUN, "--model", other]
@@ -140,10 +140,9 @@ def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     final = AutoModelForCausalLM.from_pretrained(baselines / "ranks2" / "final_model").state_dict()
     assert all(torch.equal(exported[k], final[k]) for k in final)  # saved by 2 ranks, exported by 1 process
-    from test_train_grpo import CHECK_SAVED_MODEL  # greedy tokens and log-probs agree in transformers and vLLM
+    from conftest import check_saved_model  # greedy tokens and log-probs agree in transformers and vLLM
 
-    proc = subprocess.run([sys.executable, "-c", CHECK_SAVED_MODEL, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert check_saved_model(out, [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-4
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.apply_chat_template([{"role": "user", "content": "list 1"}], add_generation_prompt=True, tokenize=False).endswith("<|assistant|>")
     assert os.path.isfile(out / "generation_config.json")

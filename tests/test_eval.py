@@ -69,7 +69,7 @@ def test_samples_table_is_one_readable_line_per_sample():
 @pytest.fixture(scope="module")
 def tiny_eval_setup(tmp_path_factory):
     import data_prep
-    from tiny_model import build_tiny_model
+    from models import build_tiny_model
 
     root = tmp_path_factory.mktemp("eval")
     data_prep.write_task(str(root / "data"), seed=0, train_size=10, test_size=12)
@@ -79,7 +79,7 @@ def tiny_eval_setup(tmp_path_factory):
 @pytest.mark.slow
 def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
     root, model = tiny_eval_setup
-    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--temperature", "1.0", "--max-new-tokens", "4", "--rollout", "hf"]
+    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--temperature", "1.0", "--max-new-tokens", "4", "--rollout", "vllm"]
     one = subprocess.run([sys.executable, "eval.py", *args, "--n", "4", "--out", str(root / "one.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "val-core/synthetic/digits/reward/mean@4" in one.stdout

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 import rollout
 from loss import logprobs_from_logits
 from rollout import HFEngine, Rollout, VLLMEngine, filter_logits, make_engine
-from tiny_model import build_tiny_model
+from models import build_tiny_model
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]
-EOS = 2  # "<eos>" in tiny_model.SPECIAL_TOKENS
+EOS = 2  # "<eos>" in models.SPECIAL_TOKENS
 PROMPTS = [[1, 4, 7, 8, 9, 5], [1, 4, 10, 11, 5], [1, 5]]  # token ids of different lengths
 MAX_LEN = 64
 

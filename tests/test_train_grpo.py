@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
+from conftest import check_saved_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a short run of the demo: tiny model, digits task, small batches
@@ -99,39 +99,9 @@ def test_one_and_two_ranks_give_the_same_update(vllm_runs):
         torch.testing.assert_close(w1[name], w2[name], atol=1e-5, rtol=1e-4)
 
 
-CHECK_SAVED_MODEL = textwrap.dedent(
-    """
-    import os, sys, torch
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; without it vLLM on CPU reserves most of RAM
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from loss import logprobs_from_logits
-    path = sys.argv[1]
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"list 1 2 3 4 5 {d} last"}], add_generation_prompt=True, return_dict=False) for d in range(4)]
-    llm = LLM(model=path, dtype="float32", max_model_len=32, enforce_eager=True, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4, logprobs=0))
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        ids = list(o.outputs[0].token_ids)
-        logits = model(torch.tensor([p + ids])).logits[:, len(p) - 1 : -1]
-        hf = logprobs_from_logits(logits, torch.tensor([ids]))[0]
-        assert ids[0] == int(model(torch.tensor([p])).logits[0, -1].argmax()), "greedy tokens differ"
-        vl = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids)])
-        worst = max(worst, (hf - vl).abs().max().item())
-    print("max logprob gap", worst)
-    assert worst <= 1e-4
-    """
-)
-
-
 @pytest.mark.slow
 def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
-    proc = subprocess.run([sys.executable, "-c", CHECK_SAVED_MODEL, str(vllm_runs / "ranks2" / "final_model")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "max logprob gap" in proc.stdout
+    assert check_saved_model(vllm_runs / "ranks2" / "final_model", [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-4
 
 
 @pytest.mark.slow
@@ -222,7 +192,7 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import data_prep
-    from tiny_model import build_tiny_model
+    from models import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS)).eval()
     g = torch.Generator().manual_seed(0)
