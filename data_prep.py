@@ -2,6 +2,7 @@
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
+    python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
 
 One row per problem, the same columns verl's own data scripts write, so files made here and files
 made by verl are interchangeable:
@@ -120,6 +121,50 @@ def write_task(out_dir, seed=0, train_size=20000, test_size=500):
 
 
 # ----------------------------------------------------------------------------------------------
+# The times-table task "multiply": the README's real-model example (SmolLM2-135M-Instruct)
+#
+#   prompt  "What is 7 * 8?"   ->   answer "56"    (scored by the last number in the response)
+#
+# Every product a x b for a, b in [low, high]. test_pairs factor pairs {a, b} are held out in both
+# orders, so "8 * 7" in training never gives away "7 * 8" in the test set. A pretrained chat model
+# knows many of these facts but answers with prose that often omits or misstates the product, so RL
+# has to improve what it computes, not only how it writes it.
+
+MULTIPLY_SOURCE = "synthetic/multiply"
+
+
+def multiply_rows(pairs, split):
+    return [
+        {
+            "data_source": MULTIPLY_SOURCE,
+            "prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
+
+
+def write_multiply(out_dir, seed=0, low=2, high=12, test_pairs=25):
+    """Write the multiply task's train.parquet and test.parquet to `out_dir`: the held-out factor
+    pairs, in both orders, are the test set; every other a * b is training."""
+    import random
+
+    factor_pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    if not 0 < test_pairs < len(factor_pairs):
+        raise ValueError(f"test_pairs must be between 1 and {len(factor_pairs) - 1} (there are {len(factor_pairs)} factor pairs), got {test_pairs}")
+    random.Random(f"multiply-{seed}").shuffle(factor_pairs)
+    held_out = set(factor_pairs[:test_pairs])
+    questions = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    random.Random(f"multiply-order-{seed}").shuffle(questions)
+    test = [(a, b) for a, b in questions if (min(a, b), max(a, b)) in held_out]
+    train = [(a, b) for a, b in questions if (min(a, b), max(a, b)) not in held_out]
+    write_parquet(multiply_rows(train, "train"), os.path.join(out_dir, "train.parquet"))
+    write_parquet(multiply_rows(test, "test"), os.path.join(out_dir, "test.parquet"))
+
+
+# ----------------------------------------------------------------------------------------------
 # The loader: every row is checked before training starts, not when a bad one is first sampled
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -200,6 +245,12 @@ def main(argv=None):
     d.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
     d.add_argument("--train-size", type=int, default=20000, help="training prompts")
     d.add_argument("--test-size", type=int, default=500, help="held-out prompts, none of them in training")
+    m = tasks.add_parser("multiply", help="times tables, a * b: the real-model example's task")
+    m.add_argument("--out", default="data/multiply", help="directory to write train.parquet and test.parquet to")
+    m.add_argument("--seed", type=int, default=0, help="which products are held out")
+    m.add_argument("--low", type=int, default=2, help="smallest factor")
+    m.add_argument("--high", type=int, default=12, help="largest factor")
+    m.add_argument("--test-pairs", type=int, default=25, help="factor pairs held out (in both orders) as the test set")
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -210,6 +261,8 @@ def main(argv=None):
             write_parquet(gsm8k_rows(src, split), os.path.join(args.out, f"{split}.parquet"))
     if args.task == "digits":
         write_task(args.out, args.seed, args.train_size, args.test_size)
+    if args.task == "multiply":
+        write_multiply(args.out, args.seed, args.low, args.high, args.test_pairs)
 
 
 if __name__ == "__main__":

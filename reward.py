@@ -82,6 +82,18 @@ def digits_score(solution_str, ground_truth):
 
 
 # ----------------------------------------------------------------------------------------------
+# The times-table task (data_prep.py multiply)
+
+MULTIPLY_SOURCE = "synthetic/multiply"
+
+
+def multiply_score(solution_str, ground_truth):
+    """1 if the last number in the response is the product, else 0: "7 * 8 = 56." scores, and so
+    does prose that ends on the right number; a response cut off mid-number does not."""
+    return gsm8k_score(solution_str, ground_truth, method="flexible")
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch by data source (verl's `default_compute_score`)
 
 
@@ -91,13 +103,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return gsm8k_score(solution_str, ground_truth)
     if data_source == DIGITS_SOURCE:
         return digits_score(solution_str, ground_truth)
+    if data_source == MULTIPLY_SOURCE:
+        return multiply_score(solution_str, ground_truth)
     raise ValueError(
         f"no built-in reward for data_source {data_source!r}; built-in sources: {sorted(BUILTIN_SOURCES)}. "
         "For other data, pass a reward file: --reward-fn path/to/file.py:function_name"
     )
 
 
-BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE}
+BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE}
 
 # ----------------------------------------------------------------------------------------------
 # Custom reward functions

@@ -177,3 +177,21 @@ def test_digits_task_is_deterministic_disjoint_and_varied(tmp_path):
         assert compute_score(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"]) == 1.0
     other = data_prep.task_rows("test", 300, seed=4)
     assert prompts(other) != prompts(test)
+
+
+def test_multiply_task_holds_out_factor_pairs_in_both_orders_and_scores_the_last_number(tmp_path):
+    data_prep.main(["multiply", "--out", str(tmp_path / "m"), "--seed", "0"])
+    train, test = load_dataset(str(tmp_path / "m" / "train.parquet")), load_dataset(str(tmp_path / "m" / "test.parquet"))
+    questions = lambda rows: [(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows]  # noqa: E731
+    factor_pairs = lambda rows: {(min(q), max(q)) for q in questions(rows)}  # noqa: E731
+    assert len(set(questions(train))) == len(train) and len(set(questions(test))) == len(test)
+    assert len(train) + len(test) == 121  # every a * b for a, b in 2..12
+    assert len(factor_pairs(test)) == 25 and not factor_pairs(train) & factor_pairs(test)
+    assert all((b, a) in questions(test) for a, b in questions(test))  # both orders held out
+    row = test[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["prompt"] == [{"role": "user", "content": f"What is {a} * {b}?"}] and row["reward_model"]["ground_truth"] == str(a * b)
+    assert compute_score(row["data_source"], f"{a} * {b} = {a * b}.", row["reward_model"]["ground_truth"]) == 1.0
+    assert compute_score(row["data_source"], f"To calculate {a} * {b}, multiply {a} by {b}.", row["reward_model"]["ground_truth"]) == 0.0
+    with pytest.raises(ValueError, match="test_pairs must be between 1 and 65"):
+        data_prep.write_multiply(str(tmp_path / "x"), test_pairs=66)
