@@ -207,13 +207,16 @@ def judge(rows, config, bands):
         train_final = train_reward_near(train, series[-1][0])
         gap = (train_final - final) / train_final if train_final and train_final >= b.gap_floor else 0.0
         rising = len(scores) >= 4 and scores[-len(scores) // 4 :].mean() > scores[: len(scores) // 4].mean()
-        if gap <= b.train_val_gap:
+        if train_final is None:  # the last validation is the one before training
+            verdict, what = "n/a", f"no training step up to step {series[-1][0]}"
+        elif gap <= b.train_val_gap:
             verdict, what = "healthy", "no over-fitting"
         elif final < best:
             verdict, what = ("problem", "over-fitting: train reward rose while validation fell from its best") if rising else ("watch", "gap, but train reward did not rise")
         else:
             verdict, what = "watch", "gap, but validation is at its best"
-        add("task effect", "train vs validation", f"train {train_final:.3f} vs validation {final:.3f}: gap {gap:.0%}, {what}", verdict,
+        value = what if train_final is None else f"train {train_final:.3f} vs validation {final:.3f}: gap {gap:.0%}, {what}"
+        add("task effect", "train vs validation", value, verdict,
             f"gap <= {b.train_val_gap:.0%} (train sampled at the training temperature, validation as configured)")  # fmt: skip
     if not monitor.vals:
         add("task effect", "validation", "no validation was logged", "watch", "--test-freq > 0")
@@ -370,11 +373,13 @@ def write_report(run_dir, bands=None):
     overall = "problem" if counts["problem"] else "watch" if counts["watch"] else "healthy"
     icon = {"healthy": "healthy", "watch": "**watch**", "problem": "**PROBLEM**", "n/a": "n/a"}
     last = max(r["step"] for r in rows)
+    max_steps = config.get("max_steps", -1)  # -1: the run's length was set by --epochs
+    planned = f"of {max_steps}" if max_steps > 0 else f"({config.get('epochs', '?')} epochs planned)"
     lines = [
         f"# Run health: {os.path.basename(os.path.abspath(run_dir))}",
         "",
         f"Overall: **{overall}** ({counts['problem']} problem, {counts['watch']} watch, {counts['healthy']} healthy) "
-        f"after {last} steps of {config.get('max_steps', '?')}; model `{config.get('model', '?')}`, lr {config.get('lr', '?')}.",
+        f"after {last} steps {planned}; model `{config.get('model', '?')}`, lr {config.get('lr', '?')}.",
         "Regenerate with `python eval.py report RUN_DIR [--bands name=value,...]`.",
     ]
     for section in ("task effect", "convergence", "stability", "efficiency"):

@@ -115,7 +115,7 @@ def test_the_gap_is_not_judged_while_train_reward_is_near_zero():
 def write_run(run_dir, rows, **config):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "config.json").write_text(json.dumps(dict(max_steps=100, kl_coef=0.001, lr=1e-6, model="m", **config)))
+    (run_dir / "config.json").write_text(json.dumps({**dict(max_steps=100, kl_coef=0.001, lr=1e-6, model="m"), **config}))
     (run_dir / "samples").mkdir(exist_ok=True)
     samples = [dict(step=100, prompt=f"q{i} | x", response=f"a{i}", ground_truth=str(i), score=float(i % 2)) for i in range(10)]
     (run_dir / "samples" / "val_step_100.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
@@ -145,9 +145,19 @@ def test_report_of_a_healthy_run(tmp_path):
         assert section in text
     assert f"| final `{VAL}` | 0.450 at step 100 (first 0.100, best 0.450 at step 100) | healthy |" in text
     assert "| q1 \\| x | a1 | 1 |" in text  # a sample, with its '|' escaped for the table
+    assert "after 100 steps of 100; model `m`" in text
     for name in health.PLOTS:
         assert (tmp_path / "run" / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{name[:-4]}]({name})" in text
+
+
+def test_report_of_a_run_sized_by_epochs_says_so(tmp_path):
+    write_run(tmp_path / "run", [{"step": 0, VAL: 0.1}, step_row(1), step_row(2)], max_steps=-1, epochs=2)
+    path, _ = health.write_report(str(tmp_path / "run"))
+    text = open(path).read()
+    assert "after 2 steps (2 epochs planned); model `m`" in text  # not "of -1"
+    # its only validation is the one before training: nothing to compare the train reward with
+    assert "| train vs validation | no training step up to step 0 | n/a |" in text
 
 
 def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
