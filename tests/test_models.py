@@ -54,4 +54,4 @@ def test_random_model_keeps_the_real_tokenizer_vocabulary_and_template(tmp_path)
 def test_random_model_cli_names_a_missing_config(tmp_path):
     proc = subprocess.run([sys.executable, "models.py", "random", "--like", str(tmp_path), "--out", str(tmp_path / "o")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode != 0 and f"--like {tmp_path}: not a model directory (no config.json there)" in proc.stderr
+    assert proc.returncode != 0 and f"models.py random: {tmp_path}: not a model directory (no config.json there)" in proc.stderr
