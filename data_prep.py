@@ -1,4 +1,5 @@
-"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with.
+"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
+(one file, or a directory of shards).
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
@@ -15,6 +16,7 @@ made by verl are interchangeable:
 """
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -192,15 +194,29 @@ def _row_problems(row):
     return problems
 
 
-def load_dataset(path, skip_invalid=False):
-    """Read a parquet file in verl's schema into a list of row dicts, checking every row.
+SPLIT_NAMES = ("train", "test", "validation", "val", "dev")
 
-    Invalid rows are an error naming the file, row and field (the first 10 are listed), unless
-    `skip_invalid`, which drops them and prints how many were dropped and why.
-    Extra columns (verl writes some for other tasks) are kept as they are.
-    """
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file. Make one with `python data_prep.py --help`, or pass verl's parquet.")
+
+def parquet_files(path):
+    """The parquet files behind `path`: the file itself, or every *.parquet in a directory, in name
+    order, as one dataset (how verl and HF datasets store shards: train-00000-of-00002.parquet, ...)."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise DataError(f"{path}: no such file or directory. Make one with `python data_prep.py --help`, or pass verl's parquet.")
+    files = sorted(glob.glob(os.path.join(path, "*.parquet")))
+    if not files:
+        raise DataError(f"{path}: a directory with no *.parquet files in it (shards in a subdirectory, e.g. data/, need that subdirectory's path)")
+    # verl writes train.parquet and test.parquet side by side: reading the directory as one dataset
+    # would train on the test set, so a directory must hold one split's shards
+    splits = {re.split(r"[-_.]", os.path.basename(f))[0] for f in files} & set(SPLIT_NAMES)
+    if len(splits) > 1:
+        raise DataError(f"{path}: holds files of several splits {sorted(splits)}; pass one file, or a directory with only one split's shards")
+    return files
+
+
+def read_parquet(path):
+    """One parquet file's rows, as dicts, after checking it has verl's columns."""
     try:
         table = pq.read_table(path)
     except Exception as e:
@@ -208,20 +224,46 @@ def load_dataset(path, skip_invalid=False):
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; found {table.column_names}; expected verl's schema {list(REQUIRED_COLUMNS)} + ability, extra_info")
-    rows = table.to_pylist()
+    return table.to_pylist()
+
+
+def load_dataset(path, skip_invalid=False, known_sources=None):
+    """Read a parquet file, or a directory of parquet shards, in verl's schema into a list of row
+    dicts, checking every row.
+
+    Invalid rows are an error naming the file, row and field (the first 10 are listed), unless
+    `skip_invalid`, which drops them and prints how many were dropped and why.
+    `known_sources`: the data_sources that have a reward (the trainer passes reward.BUILTIN_SOURCES
+    when no --reward-fn is given), so a row nothing can score fails here, not at the training step
+    that first samples it. None: any data_source.
+    Extra columns (verl writes some for other tasks) are kept as they are.
+    """
+    files = parquet_files(path)
+    rows, where = [], []  # where[i]: (file, row in that file) of row i, so errors name the shard
+    for file in files:
+        file_rows = read_parquet(file)
+        rows += file_rows
+        where += [(file, i) for i in range(len(file_rows))]
     if not rows:
         raise DataError(f"{path}: has no rows")
     good, bad = [], []
     for i, row in enumerate(rows):
         problems = _row_problems(row)
+        if known_sources is not None and not problems and row["data_source"] not in known_sources:
+            problems.append(("data_source", f"no built-in reward for {row['data_source']!r}"))
         if problems:
-            bad.extend((i, field, msg) for field, msg in problems)
+            file, j = where[i]
+            at = f"row {j}" if file == path else f"{file}, row {j}"
+            bad.extend((at, field, msg) for field, msg in problems)
         else:
             good.append(row)
     if bad:
-        listing = "\n".join(f"  row {i}, field {field}: {msg}" for i, field, msg in bad[:10])
+        listing = "\n".join(f"  {at}, field {field}: {msg}" for at, field, msg in bad[:10])
         n_rows = len(rows) - len(good)
         summary = f"{path}: {n_rows} of {len(rows)} rows are invalid:\n{listing}" + ("\n  ..." if len(bad) > 10 else "")
+        if any(msg.startswith("no built-in reward") for _, _, msg in bad):
+            summary += (f"\nBuilt-in rewards score the data_sources {sorted(known_sources)}; for others pass a reward "
+                        "file: --reward-fn path/to/file.py:function_name")  # fmt: skip
         if not skip_invalid:
             raise DataError(summary)
         print(f"skipping invalid rows: {summary}")

