@@ -117,7 +117,7 @@ def report(argv):
     """`python eval.py report RUN_DIR`: write the run's health report (health.py) and print it."""
     import health
 
-    parser = argparse.ArgumentParser(prog="eval.py report", description=health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="eval.py report", description=health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("run_dir", help="a train_grpo.py --out-dir (holds metrics.jsonl)")
     parser.add_argument("--bands", default=None, help="name=value,... (health.Bands); default: the run's --health-bands")
     args = parser.parse_args(argv)
@@ -137,38 +137,57 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # no abbreviations: a misspelt flag is an error, not silently some other flag
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--model", required=True, help="Hugging Face model directory or hub id")
     parser.add_argument("--data", required=True, help="parquet in verl's schema")
-    parser.add_argument("--n", "--samples", dest="n", type=int, default=1, help="samples per prompt (under torchrun write --samples: torchrun takes --n for itself)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="maximum response length")
+    parser.add_argument("--n", "--samples", dest="n", type=int, default=1, help="samples per prompt, >= 1 (under torchrun write --samples: torchrun takes --n for itself)")
+    parser.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="maximum response length, >= 1")
     parser.add_argument("--max-prompts", type=int, default=-1, help="evaluate at most this many prompts (-1: all)")
-    parser.add_argument("--rollout", default="auto", help="vllm, hf or auto")
+    parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"), help="generation engine (rollout.make_engine); auto: vllm when importable")
     parser.add_argument("--reward-fn", default="", help="path/to/file.py:function_name; empty: reward.compute_score")
-    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed, >= 0")
     parser.add_argument("--out", default="", help="write the metrics as JSON here (default: eval_<data name>.json beside the model if it is a directory)")
     args = parser.parse_args(argv)
+    rules = [  # (what must hold, what to say when it does not), checked before anything loads
+        (args.n >= 1, f"--n/--samples must be >= 1, got {args.n}"),
+        (0 <= args.temperature < math.inf, f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.max_prompts == -1 or args.max_prompts >= 1, f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+    ]  # fmt: skip
+    problems = [message for ok, message in rules if not ok]
+    if problems:
+        parser.error("\n  ".join(problems))
 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     import data_prep
-    from reward import compute_score, load_reward_fn, score_responses
-    from rollout import make_engine, stop_token_ids
+    from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, score_responses
+    from rollout import check_model_path, make_engine, stop_token_ids
 
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    rows = data_prep.load_dataset(args.data)
+    try:
+        rows = data_prep.load_dataset(args.data, known_sources=None if args.reward_fn else BUILTIN_SOURCES)
+    except data_prep.DataError as err:
+        raise SystemExit(str(err)) from None
     if args.max_prompts > 0:
         rows = rows[: args.max_prompts]
     per_rank = math.ceil(len(rows) / world)
     first = rank * per_rank
     mine = rows[first : first + per_rank]
 
+    try:
+        check_model_path(args.model)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--model: {err}") from None
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in mine]
     max_len = max(map(len, prompts), default=0) + args.max_new_tokens

@@ -158,6 +158,19 @@ def test_unreadable_and_empty_data(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_data_source_without_a_reward_stops_the_run_at_load(tmp_path):
+    # before: the run trained until a step first sampled such a row, then named "sample 240"
+    import data_prep
+
+    rows = data_prep.task_rows("train", 8, seed=0)
+    data_prep.write_parquet(rows + [dict(rows[0], data_source="my/puzzles")], str(tmp_path / "mine.parquet"))
+    proc = run_plain(tmp_path, "--train-data", str(tmp_path / "mine.parquet"), "--prompt-batch-size", "8", "--mini-batch-size", "8")
+    assert proc.returncode != 0 and "mine.parquet: 1 of 9 rows are invalid" in proc.stderr
+    assert "row 8, field data_source: no built-in reward for 'my/puzzles'" in proc.stderr and "--reward-fn" in proc.stderr
+    assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+
+
+@pytest.mark.slow
 def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
     import data_prep
 

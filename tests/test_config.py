@@ -1,0 +1,239 @@
+"""train_grpo.py's and eval.py's flags: every bad value is refused by name while parsing, before
+anything loads, and every flag set the project itself uses still passes. All in-process (parse_args
+and check_args are plain functions) but one subprocess run that proves the order."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import eval as evaluate  # noqa: E402
+import train_grpo  # noqa: E402
+
+
+def refused(parse, argv, capsys):
+    """Run a parser that must refuse argv; returns what it printed to stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2, f"{argv}: exit code {exit_info.value.code}"
+    return capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# train_grpo.py: each bad value, and the message that must name it
+
+BAD = [
+    # the hostile tester's cases (issue 12): silent wrong values ...
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--lr-schedule", "cosin"], "argument --lr-schedule: invalid choice: 'cosin'"),
+    (["--max-steps", "0"], "--max-steps must be >= 1, or -1 to run all --epochs"),
+    (["--kl-coef", "0", "--kl-kind", "k4"], "argument --kl-kind: invalid choice: 'k4'"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    # ... late, unreadable failures ...
+    (["--group-size", "0"], "--group-size must be >= 2"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--mini-batch-size", "0"], "--mini-batch-size must be >= 1"),
+    (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
+    (["--lr", "-1"], "--lr must be >= 0"),
+    (["--max-response-length", "0"], "--max-response-length must be >= 1"),
+    (["--loss-agg", "nonsense"], "argument --loss-agg: invalid choice: 'nonsense'"),
+    # ... and abbreviations, which the demo's max_steps=200 then silently overrode
+    (["--max-st", "5"], "unrecognized arguments: --max-st 5"),
+    # every other field
+    (["--model", ""], "--model must be"),
+    (["--train-data", "no/such/train.parquet"], "--train-data no/such/train.parquet: no such file"),
+    (["--val-data", "no/such/test.parquet"], "--val-data no/such/test.parquet: no such file"),
+    (["--out-dir", ""], "--out-dir must not be empty"),
+    (["--reward-fn", "no/such/reward.py:score"], "--reward-fn no/such/reward.py:score: no such file 'no/such/reward.py'"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--max-steps", "-2"], "--max-steps must be >= 1, or -1"),
+    (["--prompt-batch-size", "0"], "--prompt-batch-size must be >= 1"),
+    (["--max-prompt-length", "0"], "--max-prompt-length must be >= 1"),
+    (["--rollout", "sglang"], "argument --rollout: invalid choice: 'sglang'"),
+    (["--temperature", "-0.5"], "--temperature must be > 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "0"], "--top-k must be >= 1, or -1 for off"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--micro-batch-tokens", "-1"], "--micro-batch-tokens must be >= 0"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--lr-schedule", "cosine", "--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
+    (["--min-lr-ratio", "0.1"], "--min-lr-ratio is only used by --lr-schedule cosine"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be >= 0"),
+    (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--clip-low", "0"], "--clip-low must be in (0, 1)"),
+    (["--clip-low", "1"], "--clip-low must be in (0, 1)"),
+    (["--clip-high", "0"], "--clip-high must be > 0"),
+    (["--clip-c", "1"], "--clip-c must be > 1"),
+    (["--kl-coef", "-0.001"], "--kl-coef must be >= 0"),
+    (["--entropy-coef", "-0.01"], "--entropy-coef must be >= 0"),
+    (["--tis-cap", "0.5"], "--tis-cap must be >= 1"),
+    (["--tis-cap", "2", "--no-engine-logprobs"], "--tis-cap needs the engine's log-probs"),
+    (["--prompt-batch-size", "64", "--mini-batch-size", "48"], "--prompt-batch-size (64) must be a multiple of --mini-batch-size (48)"),
+    (["--test-freq", "0"], "--test-freq must be >= 1, or -1 for never"),
+    (["--val-temperature", "-1"], "--val-temperature must be >= 0"),
+    (["--val-max-prompts", "0"], "--val-max-prompts must be >= 1, or -1 for all"),
+    (["--val-n", "0"], "--val-n must be >= 1"),
+    (["--early-stop-metric", "reward"], "--early-stop-metric reward: expected a validation metric"),
+    (["--early-stop-metric", "val-core/x/reward/mean@1", "--test-freq", "-1"], "--early-stop-metric needs validation"),
+    (["--early-stop-patience", "0"], "--early-stop-patience must be >= 1"),
+    (["--wandb-run-name", "run1"], "--wandb-run-name needs --wandb-project"),
+    (["--save-freq", "0"], "--save-freq must be >= 1, or -1 for no checkpoints"),
+    (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
+    (["--health-bands", "nope=1"], "--health-bands 'nope=1': expected name=value"),
+    (["--resume", "no/such/global_step_3"], "--resume no/such/global_step_3: no such directory"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(argv) for argv, _ in BAD])
+def test_a_bad_flag_is_refused_by_name(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for model in ("tiny", "Qwen/Qwen2.5-0.5B-Instruct"):  # with and without the demo's overrides
+        if "--model" in argv and model != "tiny":
+            continue
+        err = refused(train_grpo.parse_args, ["--model", model, *argv], capsys)
+        assert message in err, f"{argv}: expected {message!r} in:\n{err}"
+
+
+# Fields with nothing to refuse: booleans, and a free-form name.
+FREE = {"norm_adv_by_std", "engine_logprobs", "grad_checkpointing", "val_before_train", "save_model", "async_save", "wandb_project"}
+
+
+def test_every_field_has_a_bad_case():
+    """A new flag needs a rule in check_args (or a choice in CHOICES) and a line in BAD."""
+    tested = {a.removeprefix("--").replace("-", "_") for argv, _ in BAD for a in argv if a.startswith("--")}
+    missing = {f.name for f in dataclasses.fields(train_grpo.Args)} - FREE - tested
+    assert not missing, f"no bad case in BAD for {sorted(missing)}"
+
+
+def test_every_problem_is_reported_at_once(capsys):
+    err = refused(train_grpo.parse_args, ["--temperature", "0", "--group-size", "0", "--ppo-epochs", "0"], capsys)
+    assert "--temperature" in err and "--group-size" in err and "--ppo-epochs" in err
+
+
+def test_check_args_is_a_plain_function():
+    """Build a config in code, check it yourself: [] when all is well, else one line per problem."""
+    args = train_grpo.Args()
+    assert train_grpo.check_args(args) == []
+    assert train_grpo.check_args(dataclasses.replace(args, temperature=0.0, lr_schedule="cosin")) == [
+        "--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got 0.0",
+        "--lr-schedule 'cosin': expected one of constant, cosine",
+    ]
+
+
+def test_batch_sizes_must_split_over_the_ranks(capsys, monkeypatch):
+    # each rank takes prompt_batch_size / world prompts, mini_batch_size / world per optimizer step
+    args = train_grpo.Args(prompt_batch_size=96, mini_batch_size=48)
+    assert train_grpo.check_args(args, world=1) == [] and train_grpo.check_args(args, world=4) == []
+    assert train_grpo.check_args(args, world=5) == ["--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"]
+    monkeypatch.setenv("WORLD_SIZE", "5")  # as torchrun sets it
+    err = refused(train_grpo.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
+    assert "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# train_grpo.py: the defaults, the demo, and every flag set used in the tests, README and benchmarks
+
+
+def good_flag_sets(tmp):
+    """(flags, ranks) as the project runs them; paths point at real (empty) files under tmp."""
+    for name in ("train.parquet", "test.parquet", "reward.py"):
+        (tmp / name).write_text("")
+    data = ["--train-data", str(tmp / "train.parquet"), "--val-data", str(tmp / "test.parquet")]
+    small = ["--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16"]
+    ckpt = ["--max-steps", "4", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16", "--save-freq", "1"]
+    bench = dict(model=str(tmp), train_data=str(tmp / "train.parquet"), val_data=str(tmp / "test.parquet"), out_dir=str(tmp / "out"), seed=0,
+                 rollout="hf", prompt_batch_size=16, group_size=8, max_prompt_length=32, max_response_length=32, max_steps=15, mini_batch_size=16,
+                 micro_batch_size=128, micro_batch_tokens=2048, ppo_epochs=1, lr=1e-6, lr_schedule="constant", warmup_steps=0, weight_decay=0.0,
+                 grad_clip=1.0, temperature=1.0, top_p=1.0, top_k=-1, clip_low=0.2, clip_high=0.2, loss_agg="token-mean", kl_coef=0.0,
+                 entropy_coef=0.0, test_freq=-1, save_freq=-1, resume="never")  # fmt: skip
+    return [
+        ([], 1),  # the demo
+        (["--model", "Qwen/Qwen2.5-0.5B-Instruct", *data], 8),  # README: verl's defaults on 8 ranks
+        ([*small, "--rollout", "vllm"], 2),
+        ([*small, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
+          "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1", "--val-n", "2", "--val-temperature", "1.0",
+          "--wandb-project", "grpo-test"], 2),
+        ([*small, "--max-steps", "5", "--rollout", "hf", "--lr", "0", "--test-freq", "1", "--save-freq", "-1",
+          "--early-stop-metric", "val-core/synthetic/digits/reward/mean@1", "--early-stop-patience", "1"], 1),
+        ([*small, "--max-steps", "1", "--rollout", "hf", "--no-val-before-train", "--test-freq", "-1", "--save-freq", "-1", "--no-engine-logprobs"], 1),
+        (["--train-data", str(tmp / "train.parquet"), "--max-steps", "1", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "2",
+          "--test-freq", "-1"], 1),
+        (["--max-prompt-length", "5"], 1),
+        (["--lr", "0.05", "--max-steps", "10", "--test-freq", "5", "--val-max-prompts", "64", "--save-freq", "-1"], 1),
+        ([*ckpt, "--rollout", "hf", "--max-ckpt-to-keep", "2", "--async-save"], 2),
+        ([*ckpt, "--rollout", "hf", "--resume", "never", "--max-steps", "5"], 1),
+        (["--model", str(tmp), *data, "--reward-fn", str(tmp / "reward.py"), "--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8",
+          "--group-size", "4", "--max-response-length", "16", "--test-freq", "2", "--val-max-prompts", "8", "--lr", "1e-3", "--save-freq", "-1"], 2),
+        (["--model", str(tmp), *data, "--rollout", "vllm", "--max-steps", "2", "--prompt-batch-size", "24", "--mini-batch-size", "24", "--group-size", "2",
+          "--max-response-length", "8", "--kl-coef", "0", "--lr", "1e-5", "--test-freq", "2", "--val-max-prompts", "8", "--save-freq", "-1"], 1),
+        (["--model", str(tmp), *data, "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "8", "--max-prompt-length", "128",
+          "--max-response-length", "32", "--kl-coef", "0", "--lr", "1e-5", "--epochs", "2", "--test-freq", "3"], 1),  # README's SmolLM2 example
+        ([f"--{k.replace('_', '-')}={v}" for k, v in bench.items()] + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"], 1),
+    ]  # fmt: skip
+
+
+def test_the_project_s_own_flag_sets_pass(tmp_path, monkeypatch):
+    assert train_grpo.check_args(train_grpo.Args(), world=8) == []  # verl's defaults, before the demo's
+    for flags, ranks in good_flag_sets(tmp_path):
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        train_grpo.parse_args(flags)  # exits on any problem
+
+
+def test_no_abbreviations_so_the_demo_cannot_swallow_a_flag(capsys):
+    assert train_grpo.parse_args(["--max-steps", "5"]).max_steps == 5
+    assert train_grpo.parse_args(["--max-steps=5"]).max_steps == 5
+    refused(train_grpo.parse_args, ["--max-st", "5"], capsys)
+
+
+def test_a_bad_flag_fails_before_anything_loads(tmp_path):
+    """The real script: a bad flag next to a model that does not exist. The flag must be what is
+    reported, nothing may be written, and it takes seconds (importing torch), not an engine load."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train_grpo.py", "--model", str(tmp_path / "no_such_model"), "--out-dir", str(out), "--temperature", "0"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "1"})
+    took = time.perf_counter() - t
+    assert proc.returncode == 2 and "--temperature must be > 0" in proc.stderr, proc.stderr[-2000:]
+    assert "no such directory" not in proc.stderr and not out.exists()
+    assert took < 60, f"{took:.0f}s: something heavy ran before the flags were checked"
+
+
+# ----------------------------------------------------------------------------------------------
+# eval.py: the same, for the standalone evaluator (greedy is allowed there: temperature 0)
+
+EVAL_BAD = [
+    (["--n", "0"], "--n/--samples must be >= 1"),
+    (["--samples", "0"], "--n/--samples must be >= 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-prompts", "0"], "--max-prompts must be >= 1, or -1 for all"),
+    (["--rollout", "sglang"], "argument --rollout: invalid choice: 'sglang'"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--sample", "4"], "unrecognized arguments: --sample 4"),  # no abbreviations
+]
+
+
+@pytest.mark.parametrize("argv, message", EVAL_BAD, ids=[" ".join(argv) for argv, _ in EVAL_BAD])
+def test_eval_refuses_a_bad_flag_before_loading(argv, message, capsys):
+    # neither the model nor the data exists: the flag must be what fails, before either is read
+    err = refused(evaluate.main, ["--model", "no/such/model", "--data", "no/such/test.parquet", *argv], capsys)
+    assert message in err, f"{argv}: expected {message!r} in:\n{err}"
+
+
+def test_eval_report_takes_no_abbreviations(capsys):
+    err = refused(evaluate.main, ["report", "no/such/run", "--band", "kl_max=0.1"], capsys)
+    assert "unrecognized arguments: --band" in err
