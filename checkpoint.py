@@ -1,8 +1,9 @@
 """Checkpoints: exact resume after a crash, atomic sharded saves, retention, and export.
 
     <out-dir>/global_step_N/                  one complete checkpoint
-        shards/                               policy + optimizer, torch.distributed.checkpoint:
+        shards/                               the tensors of policy + optimizer, torch.distributed.checkpoint:
                                               every rank writes its own shards, none gathers them
+        non_tensor_state.json                 the rest of that state, as JSON: AdamW's param_groups (lr, betas, ...)
         rng_rank{r}.json                      every random generator of rank r
         trainer_state.json                    step, LR scheduler, config, metric history
         hf/                                   model config and tokenizer, for export
@@ -15,10 +16,16 @@ and the step says where in it we are. The rollout's sampling seeds are a functio
 
     python checkpoint.py export runs/grpo/global_step_200 my_model   # -> Hugging Face format
 
-Loading unpickles nothing arbitrary: JSON, torch.load(weights_only=True) inside
-torch.distributed.checkpoint for the shards, and an allow-list unpickler for its index file.
+Loading a checkpoint runs no code from it. Reading a pickle can call any function the pickle names,
+so: everything but tensors is JSON; the shards hold only tensors, read with
+torch.load(weights_only=True), and a shard entry that is a pickled object is refused, not loaded;
+torch's index file (shards/.metadata, a pickle) goes through an unpickler that admits an exact list
+of torch's checkpoint classes. Before resuming we read every file of the checkpoint: a partial or
+corrupt one is skipped with a message naming the file, and if none is good the run refuses to start
+rather than silently starting over.
 """
 
+import io
 import json
 import os
 import pickle
@@ -31,9 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 
 TRACKER = "latest_checkpointed_iteration.txt"
+NON_TENSORS = "non_tensor_state.json"
 
 
 def step_dir(out_dir, step):
@@ -69,6 +78,59 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+def check_rng_state(state):
+    """Raise if `state` cannot be restored. The generators themselves are the best judges of what a
+    valid state is, so we try it on them and put ours back."""
+    ours = rng_state()
+    try:
+        set_rng_state(state)
+    finally:
+        set_rng_state(ours)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors go to the shards, everything else to JSON
+
+
+def split_tensors(tree):
+    """Nested dicts -> (tensors, everything else), both keeping the nesting. torch.distributed.checkpoint
+    would pickle a non-tensor (the optimizer's param_groups) into the shards, and reading a pickle can
+    run code; JSON cannot."""
+    tensors, plain = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value_tensors, value_plain = split_tensors(value)
+            if value_tensors:
+                tensors[key] = value_tensors
+            if value_plain:
+                plain[key] = value_plain
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            plain[key] = value
+    return tensors, plain
+
+
+def join_tensors(tensors, plain):
+    """split_tensors undone."""
+    joined = dict(tensors)
+    for key, value in plain.items():
+        joined[key] = join_tensors(joined.get(key, {}), value) if isinstance(value, dict) else value
+    return joined
+
+
+def restore_tuples(value, live):
+    """JSON has no tuples: make `value` a tuple wherever `live` (the state we load into) has one, so
+    AdamW's betas come back as the tuple they were."""
+    if isinstance(live, tuple):
+        return tuple(value)
+    if isinstance(value, list) and isinstance(live, list) and len(value) == len(live):
+        return [restore_tuples(v, w) for v, w in zip(value, live)]
+    if isinstance(value, dict) and isinstance(live, dict):
+        return {k: restore_tuples(v, live.get(k)) for k, v in value.items()}
+    return value
+
+
 # ----------------------------------------------------------------------------------------------
 # Saving
 
@@ -77,14 +139,18 @@ class Checkpointer:
     """Saves every rank's shards of the policy and optimizer, plus the trainer state, atomically.
 
     With async_save the shards are copied to CPU memory and written in the background while
-    training goes on; the next save (or wait(), at the end of training) completes the previous one.
+    training goes on. poll(), called once per step, publishes the checkpoint as soon as every rank's
+    write is done; the next save (or wait(), at the end of training) completes it at the latest.
     """
 
     def __init__(self, out_dir, keep=-1, async_save=False):
         self.out_dir, self.keep, self.async_save = out_dir, keep, async_save
         self.pending = None  # (future, step) of a background save
-        # background writes run their collectives on a group of their own, not the training one
+        # background writes run their collectives on a group of their own, not the training one.
+        # poll() asks on a third: on the writers' group, its question from the main thread could be
+        # paired with a writer thread's collective on another rank.
         self.group = dist.new_group(backend="gloo") if async_save else None
+        self.poll_group = dist.new_group(backend="gloo") if async_save else None
         if dist.get_rank() == 0 and os.path.isdir(out_dir):  # partial saves left by a crash
             for name in sorted(os.listdir(out_dir)):
                 if name.startswith("global_step_") and name.endswith(".tmp"):
@@ -110,12 +176,28 @@ class Checkpointer:
         with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
             json.dump(rng_state(), f)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        tensors, plain = split_tensors(state)
+        if rank == 0:  # param_groups are the same on every rank
+            with open(os.path.join(tmp, NON_TENSORS), "w") as f:
+                json.dump(plain, f)
         shards = os.path.join(tmp, "shards")
         if self.async_save:
-            self.pending = (dcp.async_save(state, checkpoint_id=shards, process_group=self.group), step)
+            self.pending = (dcp.async_save(tensors, checkpoint_id=shards, process_group=self.group), step)
         else:
-            dcp.save(state, checkpoint_id=shards)
+            dcp.save(tensors, checkpoint_id=shards)
             self._finish(step)
+
+    def poll(self):
+        """Publish a background save as soon as every rank has written its shards. Call it once per
+        training step on every rank: it is a collective (a one-number all_reduce) while a save runs,
+        and free otherwise. Without it, a crash before the next save would throw away a complete
+        checkpoint as unfinished."""
+        if self.pending is None:
+            return
+        done = torch.tensor([int(self.pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)  # 1 only if done on all ranks
+        if done.item():
+            self.wait()
 
     def wait(self):
         """Complete a background save, if one is running."""
@@ -156,50 +238,113 @@ def saved_steps(out_dir):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """torch.distributed.checkpoint stores its index as a pickle; allow only the classes it uses."""
+    """torch.distributed.checkpoint stores its index (shards/.metadata) as a pickle, and a pickle can
+    call any function it names. We admit exactly the names torch 2.13 writes there (read off a real
+    .metadata with pickletools) and torch's dtypes. A dotted name is refused outright: protocol 4
+    resolves ('torch.distributed.checkpoint.metadata', 'os.system') to os.system. A torch that writes
+    a new class fails here, naming it; add it to ALLOWED if it is plain data."""
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}  # fmt: skip
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),  # problem_with reports these
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # "torch.strided" -> torch.strided
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),  # the checkpoint's path when it was saved
+    }
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
 
     def find_class(self, module, name):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." not in name and ((module, name) in self.ALLOWED or is_dtype):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which a checkpoint never contains")
+        raise pickle.UnpicklingError(f"{self.path} refers to ({module!r}, {name!r}), which a checkpoint index never contains; not loading it")
+
+
+def read_index(path):
+    """torch.distributed.checkpoint's index file, through the allow-list unpickler."""
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f, path).load()
 
 
 class SafeReader(FileSystemReader):
-    """A FileSystemReader that reads the checkpoint index with the allow-list unpickler."""
+    """A FileSystemReader that unpickles nothing it does not know: the index goes through the
+    allow-list, and shard entries are read only as tensors (torch.load(weights_only=True)). An entry
+    stored as a pickled object, which torch's reader would torch.load with weights_only=False, is
+    refused."""
 
     def read_metadata(self, *args, **kwargs):
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        metadata = read_index(self._get_metadata_path(kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                shard = os.path.join(self.path, self.storage_data[item.storage_index].relative_path)
+                raise pickle.UnpicklingError(f"{shard}: {item.dest_index.fqn} is stored as a pickled object, not a tensor; not loading it")
+        return super().read_data(plan, planner)
+
 
 def problem_with(path):
-    """Why the checkpoint at `path` cannot be loaded, or None if it is complete."""
-    for name in ("trainer_state.json", os.path.join("shards", ".metadata"), os.path.join("hf", "config.json")):
+    """Why the checkpoint at `path` cannot be loaded, or None if it is complete and sound.
+
+    We read every file a resume would read, shards included (each entry must load as a tensor), so
+    that a garbled file is found here, and skipped, rather than halfway through loading. That reads
+    the whole checkpoint once more on every rank, at resume only (about a second per GB on CPU).
+    """
+    for name in ("trainer_state.json", NON_TENSORS, os.path.join("shards", ".metadata"), os.path.join("hf", "config.json")):
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing"
+    name = "trainer_state.json"  # the file being read, for the message
     try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
+        with open(os.path.join(path, name)) as f:
             state = json.load(f)
-        with open(os.path.join(path, "shards", ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        if not (isinstance(state.get("step"), int) and isinstance(state.get("world_size"), int) and isinstance(state.get("config"), dict)):
+            raise ValueError("expected a step, a world_size and a config")
+        for name in (NON_TENSORS, os.path.join("hf", "config.json")):
+            with open(os.path.join(path, name)) as f:
+                if not isinstance(json.load(f), dict):
+                    raise ValueError("expected a JSON object")
+        name = os.path.join("shards", ".metadata")
+        metadata = read_index(os.path.join(path, name))
+        for r in range(state["world_size"]):
+            name = f"rng_rank{r}.json"
+            if not os.path.isfile(os.path.join(path, name)):
+                return f"{name} is missing"
+            with open(os.path.join(path, name)) as f:
+                check_rng_state(json.load(f))
     except Exception as e:
-        return f"unreadable ({type(e).__name__}: {e})"
-    for r in range(state["world_size"]):
-        if not os.path.isfile(os.path.join(path, f"rng_rank{r}.json")):
-            return f"rng_rank{r}.json is missing"
+        return f"{name} is unreadable ({type(e).__name__}: {e})"
+    pickled = [fqn for fqn, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
+    if pickled:
+        return (f"the shards hold pickled objects ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}), which we never load"
+                " (checkpoint.py used to write the optimizer's param_groups that way)")  # fmt: skip
     for info in metadata.storage_data.values():  # every shard file long enough for what it should hold
         shard = os.path.join(path, "shards", str(info.relative_path))
         if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
             return f"shard {info.relative_path} is missing or truncated"
+    for index, info in metadata.storage_data.items():  # and each entry in it a tensor
+        with open(os.path.join(path, "shards", str(info.relative_path)), "rb") as f:
+            f.seek(info.offset)
+            entry = f.read(info.length)
+        try:
+            tensor = torch.load(io.BytesIO(entry), map_location="cpu", weights_only=True)
+        except Exception as e:
+            tensor = e
+        if not isinstance(tensor, torch.Tensor):
+            return f"shard {info.relative_path} is corrupt: {index.fqn} at byte {info.offset} is not a tensor ({type(tensor).__name__})"
     return None
 
 
@@ -208,7 +353,8 @@ def find_checkpoint(out_dir, resume):
 
     resume="never": None. resume=PATH: that checkpoint, or an error saying what is wrong with it.
     resume="auto": the tracker's checkpoint; if it is partial or corrupt, say so and fall back to
-    the newest complete one.
+    the newest good one. None if out_dir has no checkpoints; an error if it has some but none is
+    good: starting over silently would overwrite the run.
     """
     if resume == "never":
         return None
@@ -218,16 +364,27 @@ def find_checkpoint(out_dir, resume):
             raise SystemExit(f"--resume {resume}: cannot resume from it: {problem}")
         return resume
     candidates = sorted(saved_steps(out_dir), reverse=True)
+    if not candidates:
+        return None
     tracker = os.path.join(out_dir, TRACKER)
     if os.path.isfile(tracker):
-        latest = int(open(tracker).read().strip())
-        candidates = [latest] + [s for s in candidates if s != latest]
+        with open(tracker, errors="replace") as f:
+            text = f.read().strip()
+        if text.isdigit() and int(text) in candidates:  # the newest complete step, unless a later run started over
+            candidates = [int(text)] + [s for s in candidates if s != int(text)]
+        else:
+            print(f"resume: ignoring {tracker}: it says {text[:40]!r}, not the step of a checkpoint in {out_dir}", flush=True)
+    problems = []
     for step in candidates:
         problem = problem_with(step_dir(out_dir, step))
         if problem is None:
             return step_dir(out_dir, step)
         print(f"resume: skipping {step_dir(out_dir, step)}: {problem}", flush=True)
-    return None
+        problems.append(f"    {step_dir(out_dir, step)}: {problem}")
+    raise SystemExit(
+        f"--resume auto: {out_dir} has checkpoints, but none can be loaded:\n" + "\n".join(problems)
+        + "\nRepair or remove them, pick one with --resume PATH, or start over with --resume never."
+    )  # fmt: skip
 
 
 # model config fields that decide the shapes of the weights and the optimizer state
@@ -264,10 +421,13 @@ def load(path, model, optimizer, config):
     changed = sorted(k for k, v in config.items() if state["config"].get(k) != v)
     if changed:
         print(f"resume: config differs from the checkpoint's in {changed}; continuing with the new values", flush=True)
-    sharded = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(sharded, storage_reader=SafeReader(os.path.join(path, "shards")))
-    set_model_state_dict(model, sharded["model"])
-    set_optimizer_state_dict(model, optimizer, sharded["optim"])
+    live = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    tensors, _ = split_tensors(live)  # filled in place from the shards
+    dcp.load(tensors, storage_reader=SafeReader(os.path.join(path, "shards")))
+    with open(os.path.join(path, NON_TENSORS)) as f:
+        saved = join_tensors(tensors, restore_tuples(json.load(f), live))
+    set_model_state_dict(model, saved["model"])
+    set_optimizer_state_dict(model, optimizer, saved["optim"])
     rank_file = os.path.join(path, f"rng_rank{dist.get_rank()}.json")
     if state["world_size"] == dist.get_world_size():
         with open(rank_file) as f:
@@ -283,18 +443,31 @@ def load(path, model, optimizer, config):
 
 def write_hf(state_dict, config, generation_config, tokenizer, out_dir):
     """Write a full state dict as a Hugging Face model: safetensors, config, generation config,
-    tokenizer with its chat template. Loadable by AutoModelForCausalLM.from_pretrained and vLLM."""
+    tokenizer with its chat template. Loadable by AutoModelForCausalLM.from_pretrained and vLLM.
+
+    The model is written to out_dir.tmp and renamed to out_dir only when complete, so a crash
+    mid-write never leaves a half-written model, nor deletes the previous one, under out_dir."""
     from transformers import AutoModelForCausalLM
 
+    out_dir = os.path.normpath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    if os.path.isdir(old) and not os.path.exists(out_dir):  # a crash between the two renames below
+        os.rename(old, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)  # a write a crash left unfinished
+    shutil.rmtree(old, ignore_errors=True)
     with torch.device("meta"):  # a skeleton of the right class, filled with the given tensors
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, assign=True, strict=False)
     model.tie_weights()
     if generation_config is not None:
         model.generation_config = generation_config
-    model.save_pretrained(out_dir)
+    model.save_pretrained(tmp)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        tokenizer.save_pretrained(tmp)
+    if os.path.exists(out_dir):  # out_dir is absent only between these two renames, never partial
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def export(checkpoint, out_dir):

@@ -878,6 +878,8 @@ def main():
             bar.write("step {}: {}".format(step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("val-core"))))
 
         # ---- checkpoint: everything needed to continue this run exactly
+        if checkpointer:
+            checkpointer.poll()  # publish a finished background save now, not at the next save
         if checkpointer and (step % args.save_freq == 0 or step == total_steps or stop):
             trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=dataclasses.asdict(args), metrics=history)
             checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)

@@ -108,10 +108,25 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(baselines, tmp
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(SystemExit, match="global_step_4: cannot resume from it: shard __0_0.distcp is missing or truncated"):
         checkpoint.find_checkpoint(str(run), str(run / "global_step_4"))
+    (run / checkpoint.TRACKER).write_text("garbage")  # and the tracker is garbled too
     proc = train(run)  # auto: skips step 4, reports why, redoes step 4 from step 3
+    assert f"resume: ignoring {run / checkpoint.TRACKER}" in proc.stdout
     assert "skipping" in proc.stdout and "truncated" in proc.stdout
     assert f"resumed from {checkpoint.step_dir(run, 3)} at step 3" in proc.stdout
     assert_same_run(baselines / "ranks1", run)
+
+
+@pytest.mark.slow
+def test_a_run_with_no_good_checkpoint_refuses_to_start_over(baselines, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baselines / "ranks1", run)
+    for step in checkpoint.saved_steps(run):
+        (run / f"global_step_{step}" / "rng_rank0.json").write_text("{}")
+    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *RUN]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "none can be loaded" in proc.stderr and "--resume never" in proc.stderr
+    assert f"{checkpoint.step_dir(run, 1)}: rng_rank0.json is unreadable (KeyError: 'python')" in proc.stderr
+    assert len(open(run / "metrics.jsonl").readlines()) == 5  # nothing was started over
 
 
 @pytest.mark.slow
@@ -160,7 +175,7 @@ def test_checkpoint_index_unpickler_refuses_anything_else(tmp_path):
     with open(tmp_path / ".metadata", "wb") as f:
         pickle.dump(Exploit(), f)
     with pytest.raises(pickle.UnpicklingError, match="system"):
-        checkpoint._MetadataUnpickler(open(tmp_path / ".metadata", "rb")).load()
+        checkpoint.read_index(tmp_path / ".metadata")
 
 
 def test_rng_state_round_trips_through_json():
@@ -180,3 +195,15 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(baselines, tmp_path):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert json.load(open(run / "global_step_5" / "trainer_state.json"))["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_async_save_is_published_before_the_next_save(tmp_path):
+    # before: a complete background save was published only when the next save began, so a crash
+    # in between deleted it on restart as "unfinished"
+    train(tmp_path / "whole", "--save-freq", "2")
+    train(tmp_path / "killed", "--async-save", "--save-freq", "2", crash_at="rollout:4")
+    assert open(tmp_path / "killed" / checkpoint.TRACKER).read() == "2"
+    proc = train(tmp_path / "killed", "--async-save", "--save-freq", "2")
+    assert f"resumed from {checkpoint.step_dir(tmp_path / 'killed', 2)} at step 2" in proc.stdout
+    assert_same_run(tmp_path / "whole", tmp_path / "killed")
