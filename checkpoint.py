@@ -420,7 +420,7 @@ def load(path, model, optimizer, config):
         )
     changed = sorted(k for k, v in config.items() if state["config"].get(k) != v)
     if changed:
-        print(f"resume: config differs from the checkpoint's in {changed}; continuing with the new values", flush=True)
+        print(f"resume: config differs from the checkpoint's in {changed}; the new values apply", flush=True)
     live = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     tensors, _ = split_tensors(live)  # filled in place from the shards
     dcp.load(tensors, storage_reader=SafeReader(os.path.join(path, "shards")))
@@ -486,6 +486,117 @@ def export(checkpoint, out_dir):
     tokenizer = AutoTokenizer.from_pretrained(hf) if os.path.isfile(os.path.join(hf, "tokenizer_config.json")) else None
     write_hf(full["model"], config, GenerationConfig.from_pretrained(hf), tokenizer, out_dir)
     print(f"exported {checkpoint} to {out_dir}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The run directory: one writer at a time, and a resume that continues the same run
+
+LOCK = "run.lock"
+
+# Flags that may differ when a run is resumed: where its files are, how it is computed (not what),
+# how it is watched and saved, and how long it runs. Any other difference is refused unless named in
+# --allow-changed: continuing a run with another lr or group size under the same name would give a
+# run directory whose metrics and checkpoints describe neither setting.
+RESUMABLE = {
+    "model", "train_data", "val_data", "out_dir", "resume", "allow_changed",  # paths (the model's shape is checked on load)
+    "max_steps", "epochs",  # extend a finished run
+    "rollout", "gpu_memory_utilization", "tensor_parallel_size", "micro_batch_size", "micro_batch_tokens",
+    "grad_checkpointing", "engine_logprobs",
+    "test_freq", "val_before_train", "val_max_prompts", "val_n", "val_temperature", "early_stop_metric",
+    "early_stop_patience", "wandb_project", "wandb_run_name", "save_model", "save_freq", "max_ckpt_to_keep",
+    "health_bands", "async_save",
+}  # fmt: skip
+
+
+def lock_run_dir(out_dir):
+    """Hold <out-dir>/run.lock for as long as this process lives; rank 0 takes it. A second run in the
+    same directory is refused, naming the holder: two writers interleave metrics.jsonl and
+    checkpoints. It is an flock, which the kernel drops when its holder dies, even by SIGKILL, so a
+    crashed run never leaves a lock to clean up. Returns the open file: closing it releases the lock."""
+    import fcntl
+    import socket
+
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, LOCK), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not written its pid yet"
+        f.close()
+        raise SystemExit(f"{out_dir} is in use by another run ({holder}); wait for it or stop it, or pass another --out-dir") from None
+    f.truncate(0)
+    f.write(json.dumps(dict(pid=os.getpid(), host=socket.gethostname())) + "\n")
+    f.flush()
+    return f
+
+
+def die_with_launcher():
+    """Under torchrun, exit when the launcher dies. torch elastic starts each worker in a session of
+    its own, so `kill -9 -- -PGID` on torchrun's group leaves the workers running, still writing into
+    the run directory beside a re-run. A thread notices that the parent is gone (we are re-parented)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # plain python: the parent is a shell, which may go away
+        return
+    import threading
+    import time
+
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        print(f"rank {os.environ.get('RANK')}: torchrun (pid {launcher}) is gone; exiting", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-launcher", daemon=True).start()
+
+
+def holds_a_run(out_dir):
+    """What in out_dir a new run would overwrite: its logged steps and checkpoints ([] if none)."""
+    found = [f"global_step_{s}" for s in sorted(saved_steps(out_dir))]
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.insert(0, "metrics.jsonl")
+    return found
+
+
+def check_run_dir(out_dir, resume, config, allow_changed=()):
+    """Decide, before anything in out_dir is written, how this run may use it: returns the checkpoint
+    to resume from (None: start fresh), or raises SystemExit saying why not.
+
+    - --resume never in a directory that holds a run is refused: starting over would truncate its
+      metrics and leave its checkpoints beside the new run's.
+    - A resume whose flags differ from those the run was started with (outside RESUMABLE and
+      --allow-changed) is refused, listing the differences.
+    """
+    existing = holds_a_run(out_dir)
+    if resume == "never":
+        if existing:
+            raise SystemExit(
+                f"--resume never: {out_dir} already holds a run ({', '.join(existing[:4])}{', ...' if len(existing) > 4 else ''}), "
+                "which starting over would overwrite. Pass a new --out-dir, or move the old run away first."
+            )
+        return None
+    resume_from = find_checkpoint(out_dir, resume)
+    if resume_from is not None:
+        with open(os.path.join(resume_from, "trainer_state.json")) as f:
+            saved, where = json.load(f)["config"], resume_from
+    elif existing and os.path.isfile(os.path.join(out_dir, "config.json")):  # steps logged, never saved
+        with open(os.path.join(out_dir, "config.json")) as f:
+            saved, where = json.load(f), os.path.join(out_dir, "config.json")
+    else:
+        return None
+    changed = {k: (saved[k], v) for k, v in config.items() if k in saved and saved[k] != v and k not in RESUMABLE and k not in allow_changed}
+    if changed:
+        listing = "\n".join(f"    --{k.replace('_', '-')}: {a!r} there, {b!r} now" for k, (a, b) in changed.items())
+        raise SystemExit(
+            f"{where} belongs to a run with other flags:\n{listing}\nContinuing it would mix two settings in one run "
+            f"directory. Pass a new --out-dir for a new run, or --allow-changed {','.join(changed)} to continue this one "
+            "with the new values."
+        )
+    if resume_from is None:
+        print(f"{out_dir}: no checkpoint, so the steps logged there are redone from the start (same flags)", flush=True)
+    return resume_from
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ class Args:
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
+    allow_changed: str = ""
+    """Comma-separated flags (e.g. lr,kl_coef) that may differ from the run's when resuming it; the new
+    values apply from the resumed step. Other differences are refused (checkpoint.RESUMABLE lists the
+    flags that may always change: paths, logging, saving, how long to run)."""
 
 
 # The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
@@ -260,12 +264,19 @@ def check_args(args, world=1):
         (a.resume in ("auto", "never") or os.path.isdir(a.resume), f"--resume {a.resume}: no such directory; expected auto, never or a checkpoint directory"),
     ]  # fmt: skip
     problems = [message for ok, message in rules if not ok]
+    fields = {f.name for f in dataclasses.fields(Args)}
+    problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in fields]
     problems += [f"--{name.replace('_', '-')} {getattr(a, name)!r}: expected one of {', '.join(allowed)}" for name, allowed in CHOICES.items() if getattr(a, name) not in allowed]
     try:
         health.parse_bands(a.health_bands)
     except ValueError as e:
         problems.append(f"--health-bands {e}")
     return problems
+
+
+def allowed_changes(args):
+    """--allow-changed lr,kl-coef -> {"lr", "kl_coef"}."""
+    return {name.strip().lstrip("-").replace("-", "_") for name in args.allow_changed.split(",") if name.strip()}
 
 
 def parse_args(argv=None):
@@ -470,6 +481,21 @@ def main():
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
+    checkpoint.die_with_launcher()  # under torchrun: no orphan worker left writing into the run directory
+
+    # ---------------- the run directory: ours alone, and a resume continues the same run. Decided
+    # by rank 0 before anything in it is written, and told to every rank.
+    decision = [None, None]  # [checkpoint to resume from, why this run may not use the directory]
+    if rank == 0:
+        try:
+            run_lock = checkpoint.lock_run_dir(args.out_dir)  # noqa: F841 (held until the process exits)
+            decision[0] = checkpoint.check_run_dir(args.out_dir, args.resume, dataclasses.asdict(args), allowed_changes(args))
+        except SystemExit as e:
+            decision[1] = str(e)
+    dist.broadcast_object_list(decision, src=0)
+    resume_from, refusal = decision
+    if refusal:
+        raise SystemExit(refusal)
     os.makedirs(os.path.join(args.out_dir, "samples"), exist_ok=True)
 
     if args.prompt_batch_size % world or args.mini_batch_size % world or args.prompt_batch_size % args.mini_batch_size:
@@ -502,9 +528,6 @@ def main():
         raise SystemExit(f"--model: {e}") from None
 
     print0("config:\n" + "\n".join(f"  {k:24s} {v}" for k, v in dataclasses.asdict(args).items()))
-    if rank == 0:
-        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
 
     from transformers import AutoTokenizer
 
@@ -675,11 +698,22 @@ def main():
     # ---------------- resume: the newest complete checkpoint, unless told otherwise
     checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
     start_step = 0
-    resume_from = checkpoint.find_checkpoint(args.out_dir, args.resume)
     if resume_from:
         state = checkpoint.load(resume_from, policy, optimizer, dataclasses.asdict(args))
         scheduler.load_state_dict(state["scheduler"])
         start_step, history = state["step"], state["metrics"]
+        if start_step >= total_steps or (args.early_stop_metric and should_stop(history)):
+            raise SystemExit(
+                f"{args.out_dir}: this run has finished (step {start_step}, {'early-stopped' if start_step < total_steps else f'of {total_steps}'}). "
+                "Raise --max-steps or --epochs to train it further, or pass a new --out-dir for a new run."
+            )
+        if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
+            for group in optimizer.param_groups:
+                group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
+            scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * lr_factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
         for row in history:  # the monitor picks up where it was, without repeating old warnings
             monitor.update(row)
         engine.wake_up()
@@ -687,6 +721,8 @@ def main():
         engine.sleep()
         print0(f"resumed from {resume_from} at step {start_step}")
     if rank == 0:  # rewrite the run's files to what the checkpoint knows; later rows are redone
+        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
         with open(os.path.join(args.out_dir, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in history)
         train_samples = os.path.join(args.out_dir, "samples", "train.jsonl")

@@ -137,11 +137,14 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     from models import build_tiny_model
 
     other = build_tiny_model(str(tmp_path / "other_model"), data_prep.TASK_WORDS, layers=3)
-    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *RUN, "--model", other]
+    from train_grpo import DEMO_OVERRIDES  # the run's flags, but for the model
+
+    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
+    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *demo, *RUN, "--model", other]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "incompatible run: the model differs in num_hidden_layers: 2 there, 3 now" in proc.stderr
-    proc = train(run, "--resume", "never")
-    assert "resumed from" not in proc.stdout
+    proc = attempt(run, "--resume", "never")  # nor does starting over overwrite it
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr
     assert_same_run(baselines / "ranks1", run)
 
 
@@ -207,3 +210,66 @@ def test_async_save_is_published_before_the_next_save(tmp_path):
     proc = train(tmp_path / "killed", "--async-save", "--save-freq", "2")
     assert f"resumed from {checkpoint.step_dir(tmp_path / 'killed', 2)} at step 2" in proc.stdout
     assert_same_run(tmp_path / "whole", tmp_path / "killed")
+
+
+def attempt(out_dir, *flags):
+    """A run that may be refused: its CompletedProcess, whatever the exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+           "--out-dir", str(out_dir), "--rollout", "hf", *RUN, *flags]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_neither_rerun_nor_continued_with_other_flags(baselines, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baselines / "ranks1", run)
+    files = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.json", checkpoint.TRACKER)}
+    # before: each of these exited 0 having trained nothing, or truncated the run's history
+    proc = attempt(run)
+    assert proc.returncode != 0 and "this run has finished (step 4, of 4)" in proc.stderr and "--max-steps" in proc.stderr
+    proc = attempt(run, "--lr", "1e-2", "--entropy-coef", "0")
+    assert proc.returncode != 0 and "belongs to a run with other flags" in proc.stderr
+    assert "--lr: 0.0005 there, 0.01 now" in proc.stderr and "--entropy-coef: 0.01 there, 0.0 now" in proc.stderr
+    assert "--allow-changed lr,entropy_coef" in proc.stderr
+    proc = attempt(run, "--resume", "never")
+    assert proc.returncode != 0 and "already holds a run (metrics.jsonl, global_step_1" in proc.stderr
+    assert {name: (run / name).read_bytes() for name in files} == files  # nothing was rewritten
+
+    # extended, with a new lr that really applies
+    proc = attempt(run, "--max-steps", "6", "--lr", "1e-3", "--allow-changed", "lr")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    warmup = [(s + 1) / 6 for s in range(6)]  # the demo warms up over 5 steps
+    assert [r["actor/lr"] for r in rows[1:]] == pytest.approx([5e-4 * w for w in warmup[:4]] + [1e-3 * warmup[4], 1e-3], rel=1e-12)
+    assert json.loads((run / "config.json").read_text())["lr"] == 1e-3
+
+
+@pytest.mark.slow
+def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp_path):
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+           "--out-dir", str(run), "--rollout", "hf", "--max-steps", "1000", "--test-freq", "-1", "--save-freq", "-1"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock = run / checkpoint.LOCK
+        for _ in range(300):  # the worker writes its pid into the lock once it holds it
+            if lock.exists() and lock.read_text().strip():
+                break
+            time.sleep(0.2)
+        worker = json.loads(lock.read_text())["pid"]
+        second = attempt(run, "--max-steps", "2")
+        assert second.returncode != 0 and f"is in use by another run" in second.stderr and f'"pid": {worker}' in second.stderr
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher only: torchrun's worker is in a session of its own
+        launcher.wait()
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{worker}"):
+                break
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{worker}"), "the worker outlived torchrun"
+        checkpoint.lock_run_dir(str(run)).close()  # and the directory is free again
+    finally:
+        launcher.kill()

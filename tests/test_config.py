@@ -31,6 +31,7 @@ def refused(parse, argv, capsys):
 BAD = [
     # the hostile tester's cases (issue 12): silent wrong values ...
     (["--temperature", "0"], "--temperature must be > 0"),
+    (["--allow-changed", "lr,learning_rate"], "--allow-changed learning_rate: no such flag"),
     (["--lr-schedule", "cosin"], "argument --lr-schedule: invalid choice: 'cosin'"),
     (["--max-steps", "0"], "--max-steps must be >= 1, or -1 to run all --epochs"),
     (["--kl-coef", "0", "--kl-kind", "k4"], "argument --kl-kind: invalid choice: 'k4'"),

@@ -181,7 +181,7 @@ def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
     proc = run_plain(tmp_path, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train data: dropped 3 of 11 prompts longer than max_prompt_length=32 tokens" in proc.stdout
-    proc = run_plain(tmp_path, "--max-prompt-length", "5")
+    proc = run_plain(tmp_path / "again", "--max-prompt-length", "5")  # a new run directory: these are other flags
     assert proc.returncode != 0 and "every prompt is longer than max_prompt_length=5" in proc.stderr
 
 
