@@ -11,16 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_prep import DataError, load_dataset
+from test_data_prep import GOOD  # one valid row of verl's schema
 from reward import BUILTIN_SOURCES
 from rollout import check_model_path, make_engine
 
-GOOD = {
-    "data_source": "openai/gsm8k",
-    "prompt": [{"role": "user", "content": "1 + 1?"}],
-    "ability": "math",
-    "reward_model": {"style": "rule", "ground_truth": "2"},
-    "extra_info": {"split": "test", "index": 0},
-}
 
 
 def write_rows(path, rows):
