@@ -188,7 +188,10 @@ def main(argv=None):
         check_model_path(args.model)
     except (OSError, ValueError) as err:
         raise SystemExit(f"--model: {err}") from None
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except OSError as err:  # not a local directory, so transformers took it for a hub id
+        raise SystemExit(f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})") from None
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in mine]
     max_len = max(map(len, prompts), default=0) + args.max_new_tokens
     from transformers import AutoConfig

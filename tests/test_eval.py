@@ -99,3 +99,16 @@ def test_standalone_eval_caps_responses_at_the_models_context(tiny_eval_setup):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the model has 512 positions, so responses stop there" in proc.stdout
     assert json.load(open(root / "cap.json"))["prompts"] == 2
+
+
+def test_a_missing_model_is_named(tmp_path):
+    # before: "missing" went to the hub and failed with a "Repo id" error that named no flag
+    import data_prep
+
+    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=4)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")  # a machine without the hub, at once
+    for model, message in [("missing", "--model missing: not a local model directory, and it cannot be loaded as a Hugging Face hub id"),
+                           (str(tmp_path / "missing"), "no such directory")]:  # fmt: skip
+        proc = subprocess.run([sys.executable, "eval.py", "--model", model, "--data", str(tmp_path / "data" / "test.parquet")],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
