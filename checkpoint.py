@@ -383,7 +383,7 @@ def find_checkpoint(out_dir, resume):
         problems.append(f"    {step_dir(out_dir, step)}: {problem}")
     raise SystemExit(
         f"--resume auto: {out_dir} has checkpoints, but none can be loaded:\n" + "\n".join(problems)
-        + "\nRepair or remove them, pick one with --resume PATH, or start over with --resume never."
+        + "\nRepair or remove them, pick one with --resume PATH, or start a new run with another --out-dir."
     )  # fmt: skip
 
 

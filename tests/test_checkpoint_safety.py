@@ -253,7 +253,7 @@ def test_with_no_good_checkpoint_the_run_refuses_to_start_over(run, tmp_path):
     message = str(error.value)
     assert f"{checkpoint.step_dir(run, 2)}: rng_rank0.json is unreadable" in message
     assert f"{checkpoint.step_dir(run, 1)}: rng_rank0.json is unreadable" in message
-    assert "--resume never" in message
+    assert "another --out-dir" in message
     assert checkpoint.find_checkpoint(str(tmp_path / "new_run"), "auto") is None  # no checkpoints at all: a fresh start
 
 
