@@ -8,6 +8,10 @@
         trainer_state.json                    step, LR scheduler, config, metric history
         hf/                                   model config and tokenizer, for export
     <out-dir>/latest_checkpointed_iteration.txt    the newest complete step (verl's tracker name)
+    <out-dir>/run.lock                        held (flock) by the run writing here: one writer at a time
+
+A run directory holds one run: check_run_dir refuses a resume with other training flags (unless
+--allow-changed), and --resume never over an existing run, before anything in it is written.
 
 A checkpoint is written as global_step_N.tmp/ and renamed only when every rank has finished, then
 the tracker is replaced atomically: a crash mid-save leaves the previous checkpoint in charge.

@@ -498,13 +498,6 @@ def main():
         raise SystemExit(refusal)
     os.makedirs(os.path.join(args.out_dir, "samples"), exist_ok=True)
 
-    if args.prompt_batch_size % world or args.mini_batch_size % world or args.prompt_batch_size % args.mini_batch_size:
-        raise SystemExit(
-            f"prompt_batch_size ({args.prompt_batch_size}) must be a multiple of mini_batch_size ({args.mini_batch_size}), "
-            f"and both multiples of the number of ranks ({world})"
-        )
-    if args.tis_cap > 0 and not args.engine_logprobs:
-        raise SystemExit("--tis-cap needs the engine's log-probs; drop --no-engine-logprobs")
 
     # ---------------- model and data paths (the demo builds its own, on rank 0)
     if args.model == "tiny":
