@@ -507,7 +507,7 @@ RESUMABLE = {
     "rollout", "gpu_memory_utilization", "tensor_parallel_size", "micro_batch_size", "micro_batch_tokens",
     "grad_checkpointing", "engine_logprobs",
     "test_freq", "val_before_train", "val_max_prompts", "val_n", "val_temperature", "early_stop_metric",
-    "early_stop_patience", "wandb_project", "wandb_run_name", "save_model", "save_freq", "max_ckpt_to_keep",
+    "early_stop_patience", "logger", "wandb_project", "wandb_run_name", "verbose", "save_model", "save_freq", "max_ckpt_to_keep",
     "health_bands", "async_save",
 }  # fmt: skip
 

@@ -272,6 +272,21 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
     return good
 
 
+def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None):
+    """load_dataset, then each row's prompt rendered with the tokenizer's chat template (and the
+    generation prompt) into row["prompt_ids"]. Rows whose prompt is longer than max_prompt_length
+    tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error."""
+    rows = load_dataset(path, known_sources=known_sources)
+    for row in rows:
+        row["prompt_ids"] = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    if max_prompt_length is None:
+        return rows, 0
+    kept = [r for r in rows if len(r["prompt_ids"]) <= max_prompt_length]
+    if not kept:
+        raise DataError(f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens")
+    return kept, len(rows) - len(kept)
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 

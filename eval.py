@@ -110,6 +110,44 @@ def samples_table(samples, width=48):
 
 
 # ----------------------------------------------------------------------------------------------
+# Validation: the trainer's, every --test-freq steps, and this file's standalone evaluation
+
+
+def validate(engine, rows, tokenizer, reward_fn, eos_ids, *, n, temperature, max_new_tokens, seed, top_p=1.0, rank=0, world=1, keep=20):
+    """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
+    `engine`, score them, and compute verl's validation metrics over every rank's samples.
+
+    Each rank takes its contiguous share of `rows`; each prompt's seed comes from its place in the
+    whole list (rollout.sampling_seeds), so 1 and 2 ranks draw the same samples. Returns (metrics,
+    the first `keep` of this rank's samples as {prompt, response, ground_truth, score})."""
+    from distributed import all_gather
+    from reward import response_text, score_rows
+    from rollout import VALIDATION_STEP, sampling_seeds
+
+    per_rank = math.ceil(len(rows) / world)
+    first = rank * per_rank
+    mine = rows[first : first + per_rank]
+    out = engine.generate(
+        [r["prompt_ids"] for r in mine], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        seeds=sampling_seeds(seed, VALIDATION_STEP, first, len(mine)), logprobs=False,
+    )
+    samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
+    texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
+    scores, extras = score_rows(reward_fn, samples, texts, first=first * n)
+    # every rank gets every score (they are small), so every rank computes the same metrics
+    local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
+    parts = all_gather(local) if world > 1 else [local]
+    preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
+    sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
+    metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
+    kept = [
+        dict(prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=score)
+        for r, text, score in zip(samples[:keep], texts, scores)
+    ]
+    return metrics, kept
+
+
+# ----------------------------------------------------------------------------------------------
 # Standalone evaluation
 
 
@@ -149,6 +187,7 @@ def main(argv=None):
     parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"), help="generation engine (rollout.make_engine); auto: vllm when importable")
     parser.add_argument("--reward-fn", default="", help="path/to/file.py:function_name; empty: reward.compute_score")
     parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed, >= 0")
+    parser.add_argument("--verbose", action="store_true", help="let vLLM print its start-up configuration and progress (off: only its warnings and errors)")
     parser.add_argument("--out", default="", help="write the metrics as JSON here (default: eval_<data name>.json beside the model if it is a directory)")
     args = parser.parse_args(argv)
     rules = [  # (what must hold, what to say when it does not), checked before anything loads
@@ -164,26 +203,16 @@ def main(argv=None):
         parser.error("\n  ".join(problems))
 
     import torch.distributed as dist
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
-    from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, score_responses
+    from reward import BUILTIN_SOURCES, compute_score, load_reward_fn
     from rollout import check_model_path, make_engine, stop_token_ids
 
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    try:
-        rows = data_prep.load_dataset(args.data, known_sources=None if args.reward_fn else BUILTIN_SOURCES)
-    except data_prep.DataError as err:
-        raise SystemExit(str(err)) from None
-    if args.max_prompts > 0:
-        rows = rows[: args.max_prompts]
-    per_rank = math.ceil(len(rows) / world)
-    first = rank * per_rank
-    mine = rows[first : first + per_rank]
-
     try:
         check_model_path(args.model)
     except (OSError, ValueError) as err:
@@ -192,41 +221,28 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except OSError as err:  # not a local directory, so transformers took it for a hub id
         raise SystemExit(f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})") from None
-    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in mine]
-    max_len = max(map(len, prompts), default=0) + args.max_new_tokens
-    from transformers import AutoConfig
-
+    try:
+        rows, _ = data_prep.load_prompts(args.data, tokenizer, known_sources=None if args.reward_fn else BUILTIN_SOURCES)
+    except data_prep.DataError as err:
+        raise SystemExit(str(err)) from None
+    if args.max_prompts > 0:
+        rows = rows[: args.max_prompts]
+    max_len = max(len(r["prompt_ids"]) for r in rows) + args.max_new_tokens
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     if limit and max_len > limit:  # responses stop at the model's context length instead
         print(f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, so responses stop there")
         max_len = limit
-    engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed)
-    out = engine.generate(prompts, n=args.n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                          seeds=[args.seed * 1_000_003 + first + i for i in range(len(mine))], logprobs=False)  # fmt: skip
-
-    eos = set(stop_token_ids(args.model))  # the same text the trainer's reward sees: all but the final EOS
-    texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids, skip_special_tokens=False) for ids in out.response_ids]
-    samples = [r for r in mine for _ in range(args.n)]
+    engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed, verbose=args.verbose)
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
-    scores, extras = score_responses(
-        reward_fn, [r["data_source"] for r in samples], texts, [r["reward_model"]["ground_truth"] for r in samples],
-        [r.get("extra_info") for r in samples], indices=range(first * args.n, (first + len(mine)) * args.n),
-    )  # fmt: skip
-    local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
-    if distributed:
-        parts = [None] * world
-        dist.all_gather_object(parts, local)
-        local = dict(
-            sources=sum((p["sources"] for p in parts), []),
-            scores=sum((p["scores"] for p in parts), []),
-            preds=None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), []),
-        )
-    engine.close()  # after the gather: under torchrun, vLLM's shutdown takes the process group down with it
+    metrics, _ = validate(
+        engine, rows, tokenizer, reward_fn, stop_token_ids(args.model), n=args.n, temperature=args.temperature,
+        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, rank=rank, world=world,
+    )
+    engine.close()  # after validate's gather: under torchrun, vLLM's shutdown takes the process group down with it
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank != 0:
         return
-    metrics = validation_metrics(local["sources"], local["scores"], args.n, local["preds"], seed=args.seed)
     width = max(map(len, metrics))
     print("\n".join(f"{k:{width}s}  {v:.4f}" for k, v in metrics.items()))
     path = args.out or (os.path.join(args.model, f"eval_{os.path.splitext(os.path.basename(args.data))[0]}.json") if os.path.isdir(args.model) else "eval.json")

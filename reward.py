@@ -174,3 +174,26 @@ def score_responses(reward_fn, data_sources, responses, ground_truths, extra_inf
             raise RewardError(f"reward function {name} returned {out!r} on sample {idx} (data_source={ds!r}); expected a finite number")
         scores.append(value)
     return scores, extras
+
+
+def score_rows(reward_fn, rows, texts, first=0):
+    """score_responses for rows of verl's schema and one response text each; `first` numbers the
+    samples in error messages (their place in the whole batch, not in this rank's share)."""
+    return score_responses(
+        reward_fn,
+        [r["data_source"] for r in rows],
+        texts,
+        [r["reward_model"]["ground_truth"] for r in rows],
+        [r.get("extra_info") for r in rows],
+        indices=range(first, first + len(rows)),
+    )
+
+
+def response_text(tokenizer, ids, eos_ids):
+    """The text the reward sees: every token the model wrote except a final EOS (any of `eos_ids`,
+    rollout.stop_token_ids). We keep the other special tokens (verl drops them): with them dropped,
+    our tiny policy learned to pad its answer with <pad> and <bos> instead of ever stopping, and
+    still got full reward."""
+    if ids and ids[-1] in eos_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)

@@ -432,3 +432,12 @@ def make_engine(kind, model_path, **kwargs):
     if kind == "hf":
         return HFEngine(model_path, **kwargs)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")
+
+VALIDATION_STEP = -1  # validation's seeds: the same at every validation, apart from training's
+
+
+def sampling_seeds(seed, step, first, count):
+    """One seed per prompt from (run seed, step, the prompt's place in the global batch: first, first
+    + 1, ...), so a prompt's samples depend neither on how the batch is split over ranks nor on the
+    other prompts, and a resumed run draws what the uninterrupted one drew."""
+    return [(seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]

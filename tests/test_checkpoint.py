@@ -137,7 +137,7 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     from models import build_tiny_model
 
     other = build_tiny_model(str(tmp_path / "other_model"), data_prep.TASK_WORDS, layers=3)
-    from train_grpo import DEMO_OVERRIDES  # the run's flags, but for the model
+    from config import DEMO_OVERRIDES  # the run's flags, but for the model
 
     demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
     cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *demo, *RUN, "--model", other]

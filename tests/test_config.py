@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import eval as evaluate  # noqa: E402
-import train_grpo  # noqa: E402
+import config  # noqa: E402
 
 
 def refused(parse, argv, capsys):
@@ -88,6 +88,10 @@ BAD = [
     (["--early-stop-metric", "reward"], "--early-stop-metric reward: expected a validation metric"),
     (["--early-stop-metric", "val-core/x/reward/mean@1", "--test-freq", "-1"], "--early-stop-metric needs validation"),
     (["--early-stop-patience", "0"], "--early-stop-patience must be >= 1"),
+    (["--logger", "console,jsonl,tensorbord"], "--logger tensorbord: expected some of console, jsonl, wandb, tensorboard"),
+    (["--logger", "console,tensorboard"], "--logger console,tensorboard: jsonl is required"),
+    (["--logger", "console,jsonl,wandb"], "--logger wandb needs --wandb-project NAME"),
+    (["--wandb-project", "grpo-test"], "--wandb-project needs wandb in --logger"),
     (["--wandb-run-name", "run1"], "--wandb-run-name needs --wandb-project"),
     (["--save-freq", "0"], "--save-freq must be >= 1, or -1 for no checkpoints"),
     (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
@@ -102,31 +106,31 @@ def test_a_bad_flag_is_refused_by_name(argv, message, capsys, monkeypatch):
     for model in ("tiny", "Qwen/Qwen2.5-0.5B-Instruct"):  # with and without the demo's overrides
         if "--model" in argv and model != "tiny":
             continue
-        err = refused(train_grpo.parse_args, ["--model", model, *argv], capsys)
+        err = refused(config.parse_args, ["--model", model, *argv], capsys)
         assert message in err, f"{argv}: expected {message!r} in:\n{err}"
 
 
 # Fields with nothing to refuse: booleans, and a free-form name.
-FREE = {"norm_adv_by_std", "engine_logprobs", "grad_checkpointing", "val_before_train", "save_model", "async_save", "wandb_project"}
+FREE = {"norm_adv_by_std", "engine_logprobs", "grad_checkpointing", "val_before_train", "save_model", "async_save", "verbose"}
 
 
 def test_every_field_has_a_bad_case():
     """A new flag needs a rule in check_args (or a choice in CHOICES) and a line in BAD."""
     tested = {a.removeprefix("--").replace("-", "_") for argv, _ in BAD for a in argv if a.startswith("--")}
-    missing = {f.name for f in dataclasses.fields(train_grpo.Args)} - FREE - tested
+    missing = {f.name for f in dataclasses.fields(config.Args)} - FREE - tested
     assert not missing, f"no bad case in BAD for {sorted(missing)}"
 
 
 def test_every_problem_is_reported_at_once(capsys):
-    err = refused(train_grpo.parse_args, ["--temperature", "0", "--group-size", "0", "--ppo-epochs", "0"], capsys)
+    err = refused(config.parse_args, ["--temperature", "0", "--group-size", "0", "--ppo-epochs", "0"], capsys)
     assert "--temperature" in err and "--group-size" in err and "--ppo-epochs" in err
 
 
 def test_check_args_is_a_plain_function():
     """Build a config in code, check it yourself: [] when all is well, else one line per problem."""
-    args = train_grpo.Args()
-    assert train_grpo.check_args(args) == []
-    assert train_grpo.check_args(dataclasses.replace(args, temperature=0.0, lr_schedule="cosin")) == [
+    args = config.Args()
+    assert config.check_args(args) == []
+    assert config.check_args(dataclasses.replace(args, temperature=0.0, lr_schedule="cosin")) == [
         "--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got 0.0",
         "--lr-schedule 'cosin': expected one of constant, cosine",
     ]
@@ -134,11 +138,11 @@ def test_check_args_is_a_plain_function():
 
 def test_batch_sizes_must_split_over_the_ranks(capsys, monkeypatch):
     # each rank takes prompt_batch_size / world prompts, mini_batch_size / world per optimizer step
-    args = train_grpo.Args(prompt_batch_size=96, mini_batch_size=48)
-    assert train_grpo.check_args(args, world=1) == [] and train_grpo.check_args(args, world=4) == []
-    assert train_grpo.check_args(args, world=5) == ["--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"]
+    args = config.Args(prompt_batch_size=96, mini_batch_size=48)
+    assert config.check_args(args, world=1) == [] and config.check_args(args, world=4) == []
+    assert config.check_args(args, world=5) == ["--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"]
     monkeypatch.setenv("WORLD_SIZE", "5")  # as torchrun sets it
-    err = refused(train_grpo.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
+    err = refused(config.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
     assert "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)" in err
 
 
@@ -164,7 +168,7 @@ def good_flag_sets(tmp):
         ([*small, "--rollout", "vllm"], 2),
         ([*small, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
           "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1", "--val-n", "2", "--val-temperature", "1.0",
-          "--wandb-project", "grpo-test"], 2),
+          "--logger", "console,jsonl,wandb", "--wandb-project", "grpo-test"], 2),
         ([*small, "--max-steps", "5", "--rollout", "hf", "--lr", "0", "--test-freq", "1", "--save-freq", "-1",
           "--early-stop-metric", "val-core/synthetic/digits/reward/mean@1", "--early-stop-patience", "1"], 1),
         ([*small, "--max-steps", "1", "--rollout", "hf", "--no-val-before-train", "--test-freq", "-1", "--save-freq", "-1", "--no-engine-logprobs"], 1),
@@ -185,16 +189,16 @@ def good_flag_sets(tmp):
 
 
 def test_the_project_s_own_flag_sets_pass(tmp_path, monkeypatch):
-    assert train_grpo.check_args(train_grpo.Args(), world=8) == []  # verl's defaults, before the demo's
+    assert config.check_args(config.Args(), world=8) == []  # verl's defaults, before the demo's
     for flags, ranks in good_flag_sets(tmp_path):
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
-        train_grpo.parse_args(flags)  # exits on any problem
+        config.parse_args(flags)  # exits on any problem
 
 
 def test_no_abbreviations_so_the_demo_cannot_swallow_a_flag(capsys):
-    assert train_grpo.parse_args(["--max-steps", "5"]).max_steps == 5
-    assert train_grpo.parse_args(["--max-steps=5"]).max_steps == 5
-    refused(train_grpo.parse_args, ["--max-st", "5"], capsys)
+    assert config.parse_args(["--max-steps", "5"]).max_steps == 5
+    assert config.parse_args(["--max-steps=5"]).max_steps == 5
+    refused(config.parse_args, ["--max-st", "5"], capsys)
 
 
 def test_a_bad_flag_fails_before_anything_loads(tmp_path):
@@ -238,3 +242,20 @@ def test_eval_refuses_a_bad_flag_before_loading(argv, message, capsys):
 def test_eval_report_takes_no_abbreviations(capsys):
     err = refused(evaluate.main, ["report", "no/such/run", "--band", "kl_max=0.1"], capsys)
     assert "unrecognized arguments: --band" in err
+
+
+def test_help_documents_every_field():
+    proc = subprocess.run([sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    docs = config.field_docs(config.Args)
+    for f in dataclasses.fields(config.Args):
+        assert f.name in docs, f"Args.{f.name} has no docstring"
+        assert "--" + f.name.replace("_", "-") in proc.stdout
+
+
+def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
+    demo = config.parse_args([])
+    assert demo.lr == config.DEMO_OVERRIDES["lr"]
+    assert config.parse_args(["--lr", "1e-3"]).lr == 1e-3
+    real = config.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2

@@ -112,3 +112,38 @@ def test_a_missing_model_is_named(tmp_path):
         proc = subprocess.run([sys.executable, "eval.py", "--model", model, "--data", str(tmp_path / "data" / "test.parquet")],
                               cwd=REPO, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validate_samples_scores_and_strips_every_eos(tmp_path):
+    """eval.validate, as training and eval.py call it, with a scripted engine: each prompt's seed
+    comes from its place in the whole list, any EOS id of the generation config ends a response
+    (not only tokenizer.eos_token_id), and the metrics are verl's."""
+    from transformers import AutoTokenizer
+
+    import data_prep
+    from eval import validate
+    from models import build_tiny_model
+    from reward import compute_score
+    from rollout import VALIDATION_STEP, Rollout, sampling_seeds
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), data_prep.TASK_WORDS))
+    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
+    rows, _ = data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer)
+    answers = [r["reward_model"]["ground_truth"] for r in rows]
+    eos, other_stop = tokenizer.eos_token_id, tokenizer.pad_token_id  # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
+
+    class Scripted:
+        """Prompt i's first sample is right and ends in EOS, its second wrong and ends in the other stop id."""
+
+        def generate(self, prompts, *, n, seeds, **kw):
+            self.seeds = seeds
+            ids = [tokenizer.convert_tokens_to_ids(a) for a in answers[: len(prompts)]]
+            return Rollout(response_ids=[r for i in ids for r in ([i, eos], [(i + 1) % 10 + 3, other_stop])][: len(prompts) * n])
+
+    engine = Scripted()
+    metrics, samples = validate(engine, rows, tokenizer, compute_score, {eos, other_stop}, n=2, temperature=1.0, max_new_tokens=4, seed=7)
+    assert engine.seeds == sampling_seeds(7, VALIDATION_STEP, 0, 3)
+    assert metrics["val-core/synthetic/digits/reward/mean@2"] == 0.5 and metrics["val-aux/synthetic/digits/reward/pass@2"] == 1.0
+    assert [s["score"] for s in samples] == [1.0, 0.0] * 3 and samples[0]["response"] == answers[0]  # EOS stripped
+    assert "<" not in samples[1]["response"]  # so is the other stop id
+    assert samples[0]["prompt"] == tokenizer.decode(rows[0]["prompt_ids"])

@@ -105,12 +105,13 @@ def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
 
 
 @pytest.mark.slow
-def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tmp_path):
+def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_tensorboard(tmp_path):
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
     flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
              "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1",
              "--val-n", "2", "--val-temperature", "1.0"]  # fmt: skip
-    proc = train(tmp_path, *flags, "--wandb-project", "grpo-test", ranks=2, env={"WANDB_MODE": "offline"})
+    loggers = ["--logger", "console,jsonl,wandb,tensorboard", "--wandb-project", "grpo-test"]
+    proc = train(tmp_path, *flags, *loggers, ranks=2, env={"WANDB_MODE": "offline"})
     # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
     assert "Run summary" in proc.stdout + proc.stderr and "actor/grad_norm" in proc.stdout + proc.stderr
@@ -125,6 +126,19 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_and_wandb(tm
     # cosine from the peak towards 10% of it over 2 steps: step 2 is halfway, 0.1 + 0.9 * (1 + cos(pi/2)) / 2
     assert rows[1]["actor/lr"] == pytest.approx(5e-4) and rows[2]["actor/lr"] == pytest.approx(5e-4 * 0.55)
     assert rows[1]["perf/total_num_tokens"] == rows[1]["prompt_length/mean"] * 32 + rows[1]["response_length/mean"] * 32
+    # TensorBoard, read back from its event files: every scalar under metrics.jsonl's name, with its
+    # value; histograms of both ranks' 32 samples; the config and the validation samples as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}).Reload()
+    for row in rows:
+        for name, value in row.items():
+            if name != "step":
+                logged = {e.step: e.value for e in events.Scalars(name)}
+                assert logged[row["step"]] == pytest.approx(value, rel=1e-6), name
+    for name in ("critic/score", "critic/advantages", "response_length"):
+        assert [h.step for h in events.Histograms(name)] == [1, 2] and events.Histograms(name)[0].histogram_value.num == 32
+    assert {"config/text_summary", "val/generations/text_summary"} <= set(events.Tags()["tensors"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,60 +197,6 @@ def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
     assert "train data: dropped 3 of 11 prompts longer than max_prompt_length=32 tokens" in proc.stdout
     proc = run_plain(tmp_path / "again", "--max-prompt-length", "5")  # a new run directory: these are other flags
     assert proc.returncode != 0 and "every prompt is longer than max_prompt_length=5" in proc.stderr
-
-
-def test_help_documents_every_field():
-    import train_grpo
-
-    proc = subprocess.run([sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    docs = train_grpo.field_docs(train_grpo.Args)
-    import dataclasses
-
-    for f in dataclasses.fields(train_grpo.Args):
-        assert f.name in docs, f"Args.{f.name} has no docstring"
-        assert "--" + f.name.replace("_", "-") in proc.stdout
-
-
-def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
-    """Each micro-batch is cut to the columns its rows use (and, with micro_batch_tokens, packed by
-    length); the log-probs must be those of one forward pass over the whole padded batch."""
-    import train_grpo
-    from transformers import AutoModelForCausalLM
-
-    import data_prep
-    from models import build_tiny_model
-
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS)).eval()
-    g = torch.Generator().manual_seed(0)
-    lens = [(2, 1), (9, 7), (3, 12), (5, 2), (9, 12), (4, 6), (2, 3)]  # (prompt, response) lengths
-    prompts = [torch.randint(3, 20, (p,), generator=g).tolist() for p, _ in lens]
-    responses = [torch.randint(3, 20, (r,), generator=g).tolist() for _, r in lens]
-    batch = train_grpo.make_batch(prompts, responses, pad_id=0)
-    whole = train_grpo.compute_logprobs(model, batch, micro=len(lens), max_tokens=0, temperature=1.0)
-    assert whole.shape == (7, 12)
-    for micro, max_tokens in ((2, 0), (1, 0), (99, 40)):
-        parts = train_grpo.micro_batches(batch, list(range(7)), micro, max_tokens)
-        assert sorted(sum(parts, [])) == list(range(7))
-        if max_tokens:  # packed by length: each micro-batch's padded size stays under the budget
-            assert len(parts) > 1 and all(len(mb) == 1 or len(mb) * train_grpo.window(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts)
-        got = train_grpo.compute_logprobs(model, batch, micro, max_tokens, temperature=1.0)
-        torch.testing.assert_close(got * batch["response_mask"], whole * batch["response_mask"], rtol=0, atol=1e-5)
-    view = train_grpo.window(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
-    assert view["input_ids"].shape == (2, 7) and view["responses"].shape == (2, 2)
-    # the LM head runs only on the response positions: the same logits as a full forward, sliced
-    full = model(input_ids=view["input_ids"], attention_mask=view["attention_mask"], position_ids=view["position_ids"]).logits
-    torch.testing.assert_close(train_grpo.response_logits(model, view), full[:, view["prompt_width"] - 1 : -1], rtol=0, atol=1e-6)
-
-
-def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
-    import train_grpo
-
-    demo = train_grpo.parse_args([])
-    assert demo.lr == train_grpo.DEMO_OVERRIDES["lr"]
-    assert train_grpo.parse_args(["--lr", "1e-3"]).lr == 1e-3
-    real = train_grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
-    assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
 
 
 @pytest.mark.slow

@@ -1,0 +1,299 @@
+"""The run's flags: one dataclass, a docstring under every field (they become --help), and the
+checks between them, made before anything loads.
+
+    python train_grpo.py --help
+
+Args' defaults are verl's GRPO defaults; DEMO_OVERRIDES replaces some of them for the tiny demo model.
+A new flag is a field here (with its docstring) and, when some values are wrong, a rule in check_args.
+"""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import os
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import health
+from loss import AGG_MODES, KL_KINDS
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model: str = "tiny"
+    """Hugging Face model id or local directory; "tiny" builds the random-init demo model locally."""
+    train_data: str = ""
+    """Training parquet in verl's schema; empty: the synthetic task, written to <out-dir>/data."""
+    val_data: str = ""
+    """Validation parquet in verl's schema; empty: the synthetic task's test split."""
+    out_dir: str = "runs/grpo"
+    """Run directory: config.json, metrics.jsonl, samples/ and the final model."""
+    reward_fn: str = ""
+    """Custom reward, path/to/file.py:function_name (verl's signature); empty: reward.compute_score."""
+    seed: int = 0
+    """Seed for data order, sampling and the tiny model."""
+    # --- schedule
+    epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int = -1
+    """Stop after this many steps (-1: run all epochs)."""
+    prompt_batch_size: int = 256
+    """Prompts per step, over all ranks (verl's data.train_batch_size)."""
+    group_size: int = 8
+    """Responses sampled per prompt, n >= 2 (verl's rollout.n, TRL's num_generations). Not --n: torchrun takes that for its own --nnodes."""
+    max_prompt_length: int = 512
+    """Longer prompts are dropped from the data, with a printed count."""
+    max_response_length: int = 1024
+    """Maximum new tokens per response; longer ones are truncated (response_length/clip_ratio)."""
+    # --- rollout
+    rollout: str = "auto"
+    """Generation engine: vllm, hf (transformers), or auto (vllm when importable)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts, > 0; the trainer's log-probs use it too."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling for training rollouts (-1: off)."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take (CUDA only)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size (CUDA only)."""
+    # --- update
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batch_size: int = 64
+    """Prompts per optimizer step, over all ranks (verl's ppo_mini_batch_size)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
+    micro_batch_tokens: int = 0
+    """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
+    per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu)."""
+    lr: float = 1e-6
+    """Peak AdamW learning rate (0 freezes the policy: a baseline or a test)."""
+    lr_schedule: str = "constant"
+    """constant or cosine, after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule's final lr as a fraction of the peak, in [0, 1]."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this; a non-finite norm skips the step."""
+    clip_low: float = 0.2
+    """Clip ratio below 1 (PPO's epsilon), in (0, 1)."""
+    clip_high: float = 0.2
+    """Clip ratio above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_c: float = 3.0
+    """Dual-clip bound for negative advantages, > 1."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    kl_coef: float = 0.001
+    """Weight of the KL loss to the frozen reference; 0 skips the reference model."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, abs, k2, k3 (or verl's kl, mse, low_var_kl)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (verl's entropy_coeff)."""
+    norm_adv_by_std: bool = True
+    """Divide advantages by the group std (GRPO); off: Dr. GRPO."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap), cap >= 1; 0: off."""
+    engine_logprobs: bool = True
+    """Have the engine return each sampled token's log-prob, for the engine-vs-trainer gap
+    (training/rollout_*) and --tis-cap. Off: vLLM generation takes about a fifth less time on CPU; no gap metrics."""
+    # --- precision and memory
+    grad_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    # --- validation, logging, saving
+    test_freq: int = 10
+    """Validate every this many steps (-1: never)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0: greedy)."""
+    val_max_prompts: int = -1
+    """Validate on at most this many prompts (-1: all)."""
+    val_n: int = 1
+    """Validation samples per prompt: mean@n headlines, with std@n, best@k, worst@k, maj@k, pass@k (eval.py)."""
+    early_stop_metric: str = ""
+    """Stop when this validation metric (e.g. val-core/openai/gsm8k/reward/mean@1) stops improving; empty: off."""
+    early_stop_patience: int = 3
+    """Validations without improvement before stopping; the best policy is saved to <out-dir>/best_model."""
+    logger: str = "console,jsonl"
+    """Where metrics go, comma-separated (verl's trainer.logger): console (the progress bar and a line per
+    validation), jsonl (<out-dir>/metrics.jsonl, the run's record: required), wandb, tensorboard (<out-dir>/tensorboard)."""
+    wandb_project: str = ""
+    """Weights & Biases project, for --logger ...,wandb (WANDB_MODE=offline works without network)."""
+    wandb_run_name: str = ""
+    """Weights & Biases run name."""
+    verbose: bool = False
+    """Let vLLM print its start-up configuration and per-step messages (off: only its warnings and errors)."""
+    save_model: bool = True
+    """Save the final policy in Hugging Face format to <out-dir>/final_model."""
+    save_freq: int = 50
+    """Checkpoint every this many steps and after the last one (-1: no checkpoints)."""
+    max_ckpt_to_keep: int = -1
+    """Keep only the newest this many checkpoints (-1: all); older ones go once a newer one is complete."""
+    health_bands: str = ""
+    """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (health.Bands)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
+    allow_changed: str = ""
+    """Comma-separated flags (e.g. lr,kl_coef) that may differ from the run's when resuming it; the new
+    values apply from the resumed step. Other differences are refused (checkpoint.RESUMABLE lists the
+    flags that may always change: paths, logging, saving, how long to run)."""
+
+
+# The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
+# pretrained model. These replace the defaults above unless given on the command line.
+DEMO_OVERRIDES = dict(
+    lr=5e-4, warmup_steps=5, prompt_batch_size=64, mini_batch_size=64, micro_batch_size=128,
+    max_prompt_length=32, max_response_length=4, kl_coef=0.0, weight_decay=0.0, entropy_coef=0.01, max_steps=200, test_freq=10,
+)  # fmt: skip
+
+
+def field_docs(cls):
+    """The docstring under each dataclass field, read from the source: they become --help."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        a.target.id: b.value.value
+        for a, b in zip(body, body[1:])
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+    }
+
+
+# Flags with a fixed set of values: exactly those the code consumes (rollout.make_engine,
+# train_grpo.lr_factor, loss.agg_loss, loss.kl_penalty). --help lists them; argparse refuses anything else.
+CHOICES = dict(rollout=("auto", "vllm", "hf"), lr_schedule=("constant", "cosine"), loss_agg=AGG_MODES, kl_kind=tuple(KL_KINDS))
+
+
+def check_args(args, world=1):
+    """Every flag's allowed values and the constraints between flags, checked before anything loads:
+    a typo should cost seconds, not an engine load and a validation pass. Returns the problems, one
+    line each naming the flag and what it accepts; [] when all is well. `world` is the number of
+    ranks. A new flag gets its rule here."""
+    floats = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if f.type is float}
+    not_finite = [f"--{name.replace('_', '-')} must be a finite number, got {v}" for name, v in floats.items() if not math.isfinite(v)]
+    if not_finite:  # these alone: nan would also fail every comparison below
+        return not_finite
+    a = args  # short, so that each rule below fits on one line
+    rules = [  # (what must hold, what to say when it does not)
+        # ---- model and data: files we can look for now rather than after the model loads
+        (a.model != "", "--model must be a Hugging Face model id or directory, or tiny"),
+        (not a.train_data or os.path.exists(a.train_data), f"--train-data {a.train_data}: no such file or directory"),
+        (not a.val_data or os.path.exists(a.val_data), f"--val-data {a.val_data}: no such file or directory"),
+        (a.out_dir != "", "--out-dir must not be empty"),
+        (not a.reward_fn or os.path.isfile(a.reward_fn.partition(":")[0]),
+         f"--reward-fn {a.reward_fn}: no such file {a.reward_fn.partition(':')[0]!r}; expected path/to/file.py:function_name"),
+        (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
+        # ---- schedule
+        (a.epochs >= 1, f"--epochs must be >= 1, got {a.epochs}"),
+        (a.max_steps == -1 or a.max_steps >= 1, f"--max-steps must be >= 1, or -1 to run all --epochs, got {a.max_steps}"),
+        (a.prompt_batch_size >= 1, f"--prompt-batch-size must be >= 1, got {a.prompt_batch_size}"),
+        # with one response per prompt there is nothing to compare with: advantage.py falls back to
+        # the raw reward (REINFORCE without a baseline) and the health monitor misreads it
+        (a.group_size >= 2, f"--group-size must be >= 2: GRPO scores each response against the others to its prompt, got {a.group_size}"),
+        (a.max_prompt_length >= 1, f"--max-prompt-length must be >= 1, got {a.max_prompt_length}"),
+        (a.max_response_length >= 1, f"--max-response-length must be >= 1, got {a.max_response_length}"),
+        # ---- rollout
+        (a.temperature > 0, f"--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got {a.temperature}"),
+        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
+        (a.top_k == -1 or a.top_k >= 1, f"--top-k must be >= 1, or -1 for off, got {a.top_k}"),
+        (0 < a.gpu_memory_utilization <= 1, f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}"),
+        (a.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}"),
+        # ---- update
+        (a.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {a.ppo_epochs}"),
+        (a.mini_batch_size >= 1, f"--mini-batch-size must be >= 1, got {a.mini_batch_size}"),
+        (a.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {a.micro_batch_size}"),
+        (a.micro_batch_tokens >= 0, f"--micro-batch-tokens must be >= 0 (0: off), got {a.micro_batch_tokens}"),
+        (a.lr >= 0, f"--lr must be >= 0, got {a.lr}"),
+        (a.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {a.warmup_steps}"),
+        (0 <= a.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {a.min_lr_ratio}"),
+        (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
+        (a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}"),
+        (a.grad_clip > 0, f"--grad-clip must be > 0, got {a.grad_clip}"),
+        (0 < a.clip_low < 1, f"--clip-low must be in (0, 1): the ratio is clipped below at 1 - clip_low, got {a.clip_low}"),
+        (a.clip_high > 0, f"--clip-high must be > 0, got {a.clip_high}"),
+        (a.clip_c > 1, f"--clip-c must be > 1 for the dual clip to bound anything, got {a.clip_c}"),
+        (a.kl_coef >= 0, f"--kl-coef must be >= 0 (0: no KL loss), got {a.kl_coef}"),
+        (a.entropy_coef >= 0, f"--entropy-coef must be >= 0 (0: no bonus), got {a.entropy_coef}"),
+        (a.tis_cap == 0 or a.tis_cap >= 1, f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}"),
+        (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        # ---- what the trainer splits: each rank takes prompt_batch_size / world prompts and
+        # mini_batch_size / world of them per optimizer step (so world | mini | prompt)
+        (a.mini_batch_size < 1 or a.prompt_batch_size % a.mini_batch_size == 0,
+         f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --mini-batch-size ({a.mini_batch_size})"),
+        (a.mini_batch_size < 1 or a.mini_batch_size % world == 0, f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})"),
+        # ---- validation, logging, saving
+        (a.test_freq == -1 or a.test_freq >= 1, f"--test-freq must be >= 1, or -1 for never, got {a.test_freq}"),
+        (a.val_temperature >= 0, f"--val-temperature must be >= 0 (0: greedy), got {a.val_temperature}"),
+        (a.val_max_prompts == -1 or a.val_max_prompts >= 1, f"--val-max-prompts must be >= 1, or -1 for all, got {a.val_max_prompts}"),
+        (a.val_n >= 1, f"--val-n must be >= 1, got {a.val_n}"),
+        (not a.early_stop_metric or a.early_stop_metric.startswith(("val-core/", "val-aux/")),
+         f"--early-stop-metric {a.early_stop_metric}: expected a validation metric, val-core/... or val-aux/... (e.g. val-core/openai/gsm8k/reward/mean@1)"),
+        (not a.early_stop_metric or a.test_freq >= 1, "--early-stop-metric needs validation: set --test-freq >= 1"),
+        (a.early_stop_patience >= 1, f"--early-stop-patience must be >= 1, got {a.early_stop_patience}"),
+        ("jsonl" in loggers(a), f"--logger {a.logger}: jsonl is required: metrics.jsonl is the run's record (resume and the health report read it)"),
+        ("wandb" not in loggers(a) or a.wandb_project, "--logger wandb needs --wandb-project NAME"),
+        (not a.wandb_project or "wandb" in loggers(a), "--wandb-project needs wandb in --logger (e.g. --logger console,jsonl,wandb)"),
+        (not a.wandb_run_name or a.wandb_project, "--wandb-run-name needs --wandb-project"),
+        (a.save_freq == -1 or a.save_freq >= 1, f"--save-freq must be >= 1, or -1 for no checkpoints, got {a.save_freq}"),
+        (a.max_ckpt_to_keep == -1 or a.max_ckpt_to_keep >= 1, f"--max-ckpt-to-keep must be >= 1, or -1 for all, got {a.max_ckpt_to_keep}"),
+        (a.resume in ("auto", "never") or os.path.isdir(a.resume), f"--resume {a.resume}: no such directory; expected auto, never or a checkpoint directory"),
+    ]  # fmt: skip
+    problems = [message for ok, message in rules if not ok]
+    fields = {f.name for f in dataclasses.fields(Args)}
+    problems += [f"--logger {name}: expected some of {', '.join(LOGGERS)}" for name in loggers(a) if name not in LOGGERS]
+    problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in fields]
+    problems += [f"--{name.replace('_', '-')} {getattr(a, name)!r}: expected one of {', '.join(allowed)}" for name, allowed in CHOICES.items() if getattr(a, name) not in allowed]
+    try:
+        health.parse_bands(a.health_bands)
+    except ValueError as e:
+        problems.append(f"--health-bands {e}")
+    return problems
+
+
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+
+
+def loggers(args):
+    """--logger console,jsonl -> ["console", "jsonl"]."""
+    return [name.strip() for name in args.logger.split(",") if name.strip()]
+
+
+def allowed_changes(args):
+    """--allow-changed lr,kl-coef -> {"lr", "kl_coef"}."""
+    return {name.strip().lstrip("-").replace("-", "_") for name in args.allow_changed.split(",") if name.strip()}
+
+
+def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    # no abbreviations: --max-st 5 would otherwise be --max-steps 5, then lost to the demo's max_steps.
+    # A short usage line, so that an error is not buried under fifty flags.
+    parser = argparse.ArgumentParser(
+        usage="%(prog)s [--flag value ...]   (--help lists every flag)", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+    )  # fmt: skip
+    docs = field_docs(Args)
+    for f in dataclasses.fields(Args):
+        flag, help_text = "--" + f.name.replace("_", "-"), f"{docs[f.name]} (default: {f.default})"
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text)
+    args = Args(**vars(parser.parse_args(argv)))
+    if args.model == "tiny":
+        given = {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
+        for key, value in DEMO_OVERRIDES.items():
+            if key not in given:
+                setattr(args, key, value)
+    problems = check_args(args, world=int(os.environ.get("WORLD_SIZE", 1)))  # torchrun sets WORLD_SIZE
+    if problems:
+        parser.error("\n  ".join(problems))
+    return args

@@ -1,0 +1,62 @@
+"""torch.distributed in a few functions: every rank computes, rank 0 talks.
+
+Under `torchrun` each rank is one process with one device (a GPU, or the CPU with the gloo
+backend). `python train_grpo.py` without torchrun is a world of one. Collectives take the device
+explicitly: nccl reduces CUDA tensors, gloo CPU ones.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    """Join the process group; returns (rank, world size, this rank's device)."""
+    if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one
+        port = str(29500 + os.getpid() % 1000)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return rank, world, device
+
+
+def print0(*a, **kw):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a, **kw, flush=True)
+
+
+def all_sum(x, device):
+    """The sum of a number over ranks."""
+    t = torch.tensor(float(x), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def all_gather(obj):
+    """Every rank's `obj` (anything picklable), in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def reduce_metrics(metrics, device):
+    """Average metrics over ranks; keys ending in /max or /min take the max or min."""
+    if dist.get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    out = {}
+    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.SUM, None)):
+        sel = [k for k in keys if (k.endswith(pick) if pick else not k.endswith(("/max", "/min")))]
+        if not sel:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in sel], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        if pick is None:
+            t /= dist.get_world_size()
+        out.update(zip(sel, t.tolist()))
+    return out

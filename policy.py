@@ -1,0 +1,131 @@
+"""The policy on the trainer's side: loading and FSDP2 sharding, batches of variable-length
+sequences, per-token log-probs, and getting the full weights out (to the engine, to disk).
+
+A batch lays each sequence out as [pad.. prompt | response ..pad]: prompts left-padded, responses
+right-padded, so that response token t of every row sits in the same column. Micro-batches are cut
+to the columns their rows use, and the LM head runs on the response positions only.
+"""
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+from loss import logprobs_from_logits
+
+# ----------------------------------------------------------------------------------------------
+# Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
+
+
+def make_batch(prompts, responses, pad_id):
+    """Token id lists -> tensors. input_ids = [pad.. prompt | response ..pad]: [N, P + R].
+    The logits that predict response token t sit at column P - 1 + t."""
+    P, R = max(map(len, prompts)), max(max(map(len, responses)), 1)
+    n = len(prompts)
+    input_ids = torch.full((n, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, P - len(p) : P + len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        responses=input_ids[:, P:], response_mask=attention_mask[:, P:].float(), prompt_width=P,
+        prompt_lens=[len(p) for p in prompts], response_lens=[max(len(r), 1) for r in responses],
+    )  # fmt: skip
+
+
+def micro_batches(batch, rows, size, max_tokens=0):
+    """Split the sequences `rows` (indices into the batch) into micro-batches: `size` at a time, or,
+    with max_tokens > 0, sorted by length and packed while rows x padded width <= max_tokens."""
+    if max_tokens <= 0:
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    p, r = batch["prompt_lens"], batch["response_lens"]
+    out, cur, p_max, r_max = [], [], 0, 0
+    for i in sorted(rows, key=lambda i: p[i] + r[i]):
+        if cur and (len(cur) + 1) * (max(p_max, p[i]) + max(r_max, r[i])) > max_tokens:
+            out.append(cur)
+            cur, p_max, r_max = [], 0, 0
+        cur.append(i)
+        p_max, r_max = max(p_max, p[i]), max(r_max, r[i])
+    return out + [cur]
+
+
+def window(batch, rows):
+    """The rows of a batch, cut to the columns they use: the padding every row of them has on the
+    left of the prompts and the right of the responses is never computed on."""
+    p, r, P = max(batch["prompt_lens"][i] for i in rows), max(batch["response_lens"][i] for i in rows), batch["prompt_width"]
+    cols = slice(P - p, P + r)
+    view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
+    view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
+    return view  # response tensors [b, r]
+
+
+def response_logits(model, view, device):
+    """Forward pass on a window of a batch; returns the logits that predict each response token.
+    The LM head runs only on the last r + 1 positions (the window ends with the responses): with a
+    real vocabulary, its logits on the prompt would be a large share of the FLOPs and the memory."""
+    r = view["responses"].shape[1]
+    out = model(
+        input_ids=view["input_ids"].to(device),
+        attention_mask=view["attention_mask"].to(device),
+        position_ids=view["position_ids"].to(device),
+        use_cache=False,
+        logits_to_keep=r + 1,
+    )
+    return out.logits[:, :-1]  # [b, r, V]: position prompt_width - 1 + t predicts response token t
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
+    """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
+    out = torch.zeros_like(batch["response_mask"])
+    for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
+        view = window(batch, rows)
+        logp = logprobs_from_logits(response_logits(model, view, device), view["responses"].to(device), temperature)
+        out[rows, : logp.shape[1]] = logp.float().cpu()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Model setup
+
+
+def load_model(path, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device)
+
+
+def shard(model, mesh, mixed_precision):
+    """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def full_parameters(model, dtype):
+    """Yields (hf_name, full tensor) one parameter at a time: each rank all-gathers its shards, so
+    the extra memory is one parameter, not a second model."""
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, full.detach().to(dtype)
+
+
+def save_hf(model, tokenizer, out_dir, rank):
+    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir)
+    dist.barrier()
+
+

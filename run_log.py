@@ -1,0 +1,212 @@
+"""The run's log: every step's metrics (verl's names), where they go, and readable samples.
+
+    --logger console,jsonl                 the default: a progress bar and one line per validation,
+                                           and <out-dir>/metrics.jsonl, one JSON row per step
+    --logger console,jsonl,tensorboard     + <out-dir>/tensorboard: every scalar under the same
+                                           name, histograms of scores, advantages and response
+                                           lengths, and sample tables as text
+    --logger console,jsonl,wandb --wandb-project NAME
+
+metrics.jsonl is the run's record: checkpoints carry the same history, so a resumed run rewrites
+it whole, and the health report (health.py) reads it. Samples go to <out-dir>/samples/: the first
+prompt's group of every training step (train.jsonl), and the first validation samples
+(val_step_<step>.jsonl). Every rank calls log() with the same (reduced) metrics; rank 0 writes.
+"""
+
+import json
+import os
+import resource
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from advantage import zero_std_fraction
+from distributed import all_gather, all_sum, print0
+
+# ----------------------------------------------------------------------------------------------
+# A step's metrics, verl's names
+
+
+def rollout_metrics(scores, advantages, response_mask, prompt_lens, truncated, extras, group_size):
+    """Metrics of this rank's rollout: scores and advantages [N], response_mask [N, R],
+    prompt_lens [N], truncated [N] bools, extras: the reward's extra keys (reward.score_responses)."""
+    metrics = {}
+    columns = dict(score=torch.tensor(scores, dtype=torch.float), advantages=advantages.float())
+    columns.update(response_length=response_mask.sum(-1), prompt_length=torch.tensor(prompt_lens, dtype=torch.float))
+    for name, values in columns.items():
+        prefix = f"critic/{name}" if name in ("score", "advantages") else name
+        metrics.update({f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()})
+    metrics["response_length/clip_ratio"] = float(np.mean(truncated))
+    metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
+    for key, values in extras.items():
+        numeric = [float(v) for v in values if isinstance(v, (int, float))]
+        if numeric:
+            metrics[f"reward_extra/{key}/mean"] = sum(numeric) / len(numeric)
+    return metrics
+
+
+def engine_gap_metrics(trainer_logp, engine_logp, mask):
+    """How far the engine's sampling distribution is from the trained policy, on the sampled tokens
+    (verl's training/rollout_*): log-probs [N, R] from each, mask [N, R]."""
+    gap = (trainer_logp - engine_logp).abs() * mask
+    prob_gap = (trainer_logp.exp() - engine_logp.exp()).abs() * mask
+    return {
+        "training/rollout_probs_diff_max": prob_gap.max().item(),
+        "training/rollout_probs_diff_mean": (prob_gap.sum() / mask.sum().clamp(min=1)).item(),
+        "training/rollout_logprob_diff_max": gap.max().item(),
+    }
+
+
+def loss_metrics(stats, device):
+    """actor/<name> for every number the loss reported, each micro-batch's token mean weighted by
+    its tokens over all micro-batches of all ranks; actor/grad_norm averaged over optimizer steps.
+    `stats`: one dict per micro-batch, with "tokens", and "grad_norm" on each optimizer step's last."""
+    total = max(all_sum(sum(s["tokens"] for s in stats), device), 1)
+    keys = sorted({k for s in stats for k in s} - {"tokens", "grad_norm"})  # the same on every rank
+    metrics = {f"actor/{k}": all_sum(sum(s.get(k, 0.0) * s["tokens"] for s in stats), device) / total for k in keys}
+    grad_norms = [s["grad_norm"] for s in stats if "grad_norm" in s]  # equal on all ranks
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return metrics
+
+
+def memory_gb(device):
+    """Peak memory of this process: the GPU's allocator on CUDA, the resident set on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def should_stop(history, metric, patience):
+    """Early stopping from the metric history alone (so a resumed run decides the same way): True
+    when `metric` has not improved for `patience` validations."""
+    values = [row[metric] for row in history if metric in row]
+    if not metric or not values:
+        return False
+    best_at = max(range(len(values)), key=lambda i: (values[i], -i))  # the first time the best was reached
+    return len(values) - 1 - best_at >= patience
+
+
+def is_best(history, metric):
+    """True when the last row's `metric` beats every earlier row's (the first value is the best)."""
+    previous = [row[metric] for row in history[:-1] if metric in row]
+    return not previous or history[-1][metric] > max(previous)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where metrics go
+
+# The bar's summary of a step: (metric, short name, format)
+BAR = [("actor/policy_loss", "policy_loss", ".4f"), ("actor/pg_loss", "pg_loss", ".4f"), ("actor/entropy", "entropy", ".4f"),
+       ("actor/kl_loss", "kl_loss", ".5f"), ("critic/advantages/mean", "adv_mean", ".4f"), ("critic/score/mean", "reward", ".4f"),
+       ("actor/grad_norm", "grad_norm", ".2f")]  # fmt: skip
+SAMPLE_COLUMNS = ["step", "prompt", "response", "ground_truth", "score"]
+
+
+class RunLog:
+    """History, health warnings, loggers and samples of one run; see the module docstring."""
+
+    def __init__(self, out_dir, config, loggers, monitor, rank, wandb_project="", wandb_run_name=""):
+        self.out_dir, self.loggers, self.monitor, self.rank = out_dir, loggers, monitor, rank
+        self.history = []  # every logged row; checkpoints carry it, so a resumed run's metrics.jsonl is whole
+        self.bar = self.wandb = self.tensorboard = None
+        if rank != 0:
+            return
+        if "wandb" in loggers:
+            import wandb
+
+            wandb.init(project=wandb_project, name=wandb_run_name or None, config=config, dir=out_dir)
+            self.wandb = wandb
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            rows = "\n".join(f"| {k} | {v} |" for k, v in config.items())
+            self.tensorboard.add_text("config", "| flag | value |\n| --- | --- |\n" + rows)
+
+    def start(self, config, history, start_step, total_steps):
+        """Rewrite the run's files to what the checkpoint knows (an empty history for a new run):
+        config.json, metrics.jsonl, and train samples up to start_step; later rows are redone."""
+        self.history = list(history)
+        for row in self.history:  # the monitor picks up where it was, without repeating old warnings
+            self.monitor.update(row)
+        if self.rank == 0:
+            with open(os.path.join(self.out_dir, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in self.history)
+            train_samples = os.path.join(self.out_dir, "samples", "train.jsonl")
+            if os.path.exists(train_samples):
+                kept = [line for line in open(train_samples) if json.loads(line)["step"] <= start_step]
+                with open(train_samples, "w") as f:
+                    f.writelines(kept)
+        if self.rank == 0 and "console" in self.loggers:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="Training Progress", dynamic_ncols=True)
+
+    def write(self, line):
+        """A line on the console that does not break the progress bar."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print0(line)
+
+    def log(self, step, metrics, histograms=None):
+        """Record one step (step 0: the validation before training). histograms: {name: this rank's
+        values}, gathered from every rank for TensorBoard. Call on every rank."""
+        self.history.append(dict(step=step, **metrics))
+        for warning in self.monitor.update(self.history[-1]):  # the same on every rank: metrics are reduced
+            self.write(f"health: {warning}")
+        if histograms and "tensorboard" in self.loggers:  # a collective: every rank takes part
+            histograms = {k: np.concatenate([np.asarray(p, dtype=np.float64) for p in all_gather(v)]) for k, v in (histograms or {}).items()}
+        if self.rank != 0:
+            return
+        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(self.history[-1]) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                self.tensorboard.add_scalar(name, value, step)
+            for name, values in (histograms or {}).items():
+                self.tensorboard.add_histogram(name, values, step)
+            self.tensorboard.flush()
+        validation = {k: v for k, v in metrics.items() if k.startswith("val-core")}
+        if validation and "console" in self.loggers:
+            self.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in validation.items()))
+        if self.bar is not None and step > 0:
+            self.bar.set_postfix({short: f"{metrics[key]:{fmt}}" for key, short, fmt in BAR if key in metrics})
+            self.bar.update(step - self.bar.n)
+
+    def samples(self, name, step, samples, mode="a", table=None):
+        """Write samples ({prompt, response, ground_truth, score}) to <out-dir>/samples/<name>
+        (rank 0's; mode "a" appends, "w" replaces); with `table`, also as a wandb table and
+        TensorBoard text under that name."""
+        if self.rank != 0:
+            return
+        rows = [dict(step=step, **s) for s in samples]
+        with open(os.path.join(self.out_dir, "samples", name), mode) as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        if table and self.wandb:
+            self.wandb.log({table: self.wandb.Table(columns=SAMPLE_COLUMNS, data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])}, step=step)
+        if table and self.tensorboard is not None:
+            lines = [" | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ") for c in SAMPLE_COLUMNS) for r in rows]
+            self.tensorboard.add_text(table, "\n".join([" | ".join(SAMPLE_COLUMNS), " | ".join(["---"] * 5), *lines]), step)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+@contextmanager
+def timed(timing, name):
+    """with timed(timing, "gen"): ...  records the block's wall time in seconds as timing["gen"]."""
+    start = time.perf_counter()
+    yield
+    timing[name] = time.perf_counter() - start
