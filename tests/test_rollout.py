@@ -5,6 +5,7 @@ log softmax(logits / temperature) of each sampled token, via `loss.logprobs_from
 vLLM engine serves the whole module (it takes ~15 s to start); the HF engine is cheap.
 """
 
+import logging
 import random
 import sys
 
@@ -177,6 +178,28 @@ def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
     assert_logprobs_match(engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds), ref_model, n, 0.7)
 
 
+def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_engine, ref_model, capfd):
+    # vllm_engine was built with verbose=False. vLLM's handler holds the stream it was configured
+    # with, which pytest's capture of this test does not see; point it at this test's stderr.
+    handler = next(h for h in logging.getLogger("vllm").handlers if h.name == "vllm")
+    stream = handler.setStream(sys.stderr)
+    try:
+        capfd.readouterr()
+        vllm_engine.wake_up()  # as the trainer syncs: wake_up, update_weights, sleep (the same weights here)
+        vllm_engine.update_weights((name, p.detach()) for name, p in ref_model.named_parameters())
+        vllm_engine.sleep()
+        synced = capfd.readouterr()
+        # a real warning, from anywhere in vLLM, and the same reload warning for a layer that has weights
+        logging.getLogger("vllm.some.module").warning("a genuine vLLM warning")
+        logging.getLogger(rollout.RELOAD_LOGGER).warning("%s: Failed to load weights", "ParallelLMHead")
+        warned = capfd.readouterr()
+    finally:
+        handler.setStream(stream)
+    assert synced.out + synced.err == ""  # no "RotaryEmbedding: Failed to load weights", "Reloading ...", "... prefix cache"
+    assert "a genuine vLLM warning" in warned.err
+    assert "ParallelLMHead: Failed to load weights" in warned.err
+
+
 def test_hf_update_weights_names_an_unknown_parameter(hf_engine):
     with pytest.raises(KeyError, match="not.a.param"):
         hf_engine.update_weights([("not.a.param", torch.zeros(1))])
@@ -192,7 +215,7 @@ def test_make_engine_picks_the_engine(model_path, monkeypatch):
     # a stand-in, so that this test does not start a second vLLM engine
     monkeypatch.setattr(rollout, "VLLMEngine", lambda path, **kw: built.append((path, kw)) or "vllm engine")
     assert make_engine("auto", model_path, max_model_len=MAX_LEN) == "vllm engine"
-    assert built == [(model_path, {"max_model_len": MAX_LEN})]
+    assert built == [(model_path, {"max_model_len": MAX_LEN, "verbose": False})]
     assert isinstance(make_engine("hf", model_path, max_model_len=MAX_LEN, gpu_memory_utilization=0.3), HFEngine)
     monkeypatch.setitem(sys.modules, "vllm", None)  # now `import vllm` fails
     assert isinstance(make_engine("auto", model_path, max_model_len=MAX_LEN), HFEngine)
