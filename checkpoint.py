@@ -66,7 +66,11 @@ def crash_point(where, step):
 def rng_state():
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(mt), gauss], "numpy": [kind, keys.tolist(), pos, has_gauss, cached], "torch": torch.get_rng_state().tolist()}
+    state = {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -234,7 +238,11 @@ def saved_steps(out_dir):
     """Steps of the global_step_N directories in out_dir (complete or not; .tmp ones excluded)."""
     if not os.path.isdir(out_dir):
         return []
-    return [int(d.rsplit("_", 1)[1]) for d in os.listdir(out_dir) if d.startswith("global_step_") and d.rsplit("_", 1)[1].isdigit()]
+    return [
+        int(d.rsplit("_", 1)[1])
+        for d in os.listdir(out_dir)
+        if d.startswith("global_step_") and d.rsplit("_", 1)[1].isdigit()
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,7 +279,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if "." not in name and ((module, name) in self.ALLOWED or is_dtype):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{self.path} refers to ({module!r}, {name!r}), which a checkpoint index never contains; not loading it")
+        raise pickle.UnpicklingError(
+            f"{self.path} refers to ({module!r}, {name!r}), which a checkpoint index never contains; not loading it"
+        )
 
 
 def read_index(path):
@@ -297,7 +307,9 @@ class SafeReader(FileSystemReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 shard = os.path.join(self.path, self.storage_data[item.storage_index].relative_path)
-                raise pickle.UnpicklingError(f"{shard}: {item.dest_index.fqn} is stored as a pickled object, not a tensor; not loading it")
+                raise pickle.UnpicklingError(
+                    f"{shard}: {item.dest_index.fqn} is stored as a pickled object, not a tensor; not loading it"
+                )
         return super().read_data(plan, planner)
 
 
@@ -308,14 +320,23 @@ def problem_with(path):
     that a garbled file is found here, and skipped, rather than halfway through loading. That reads
     the whole checkpoint once more on every rank, at resume only (about a second per GB on CPU).
     """
-    for name in ("trainer_state.json", NON_TENSORS, os.path.join("shards", ".metadata"), os.path.join("hf", "config.json")):
+    for name in (
+        "trainer_state.json",
+        NON_TENSORS,
+        os.path.join("shards", ".metadata"),
+        os.path.join("hf", "config.json"),
+    ):
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing"
     name = "trainer_state.json"  # the file being read, for the message
     try:
         with open(os.path.join(path, name)) as f:
             state = json.load(f)
-        if not (isinstance(state.get("step"), int) and isinstance(state.get("world_size"), int) and isinstance(state.get("config"), dict)):
+        if not (
+            isinstance(state.get("step"), int)
+            and isinstance(state.get("world_size"), int)
+            and isinstance(state.get("config"), dict)
+        ):
             raise ValueError("expected a step, a world_size and a config")
         for name in (NON_TENSORS, os.path.join("hf", "config.json")):
             with open(os.path.join(path, name)) as f:
@@ -333,8 +354,10 @@ def problem_with(path):
         return f"{name} is unreadable ({type(e).__name__}: {e})"
     pickled = [fqn for fqn, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
     if pickled:
-        return (f"the shards hold pickled objects ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}), which we never load"
-                " (checkpoint.py used to write the optimizer's param_groups that way)")  # fmt: skip
+        return (
+            f"the shards hold pickled objects ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}), which we never load"
+            " (checkpoint.py used to write the optimizer's param_groups that way)"
+        )
     for info in metadata.storage_data.values():  # every shard file long enough for what it should hold
         shard = os.path.join(path, "shards", str(info.relative_path))
         if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
@@ -377,7 +400,10 @@ def find_checkpoint(out_dir, resume):
         if text.isdigit() and int(text) in candidates:  # the newest complete step, unless a later run started over
             candidates = [int(text)] + [s for s in candidates if s != int(text)]
         else:
-            print(f"resume: ignoring {tracker}: it says {text[:40]!r}, not the step of a checkpoint in {out_dir}", flush=True)
+            print(
+                f"resume: ignoring {tracker}: it says {text[:40]!r}, not the step of a checkpoint in {out_dir}",
+                flush=True,
+            )
     problems = []
     for step in candidates:
         problem = problem_with(step_dir(out_dir, step))
@@ -386,14 +412,25 @@ def find_checkpoint(out_dir, resume):
         print(f"resume: skipping {step_dir(out_dir, step)}: {problem}", flush=True)
         problems.append(f"    {step_dir(out_dir, step)}: {problem}")
     raise SystemExit(
-        f"--resume auto: {out_dir} has checkpoints, but none can be loaded:\n" + "\n".join(problems)
+        f"--resume auto: {out_dir} has checkpoints, but none can be loaded:\n"
+        + "\n".join(problems)
         + "\nRepair or remove them, pick one with --resume PATH, or start a new run with another --out-dir."
-    )  # fmt: skip
+    )
 
 
 # model config fields that decide the shapes of the weights and the optimizer state
-MODEL_SHAPE = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
+MODEL_SHAPE = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def load(path, model, optimizer, config):
@@ -415,7 +452,9 @@ def load(path, model, optimizer, config):
         saved_model = json.load(f)
     # a different model means different shapes; a moved directory or a renamed hub id does not
     now_model = model.config.to_dict()
-    incompatible = {k: (saved_model.get(k), now_model.get(k)) for k in MODEL_SHAPE if saved_model.get(k) != now_model.get(k)}
+    incompatible = {
+        k: (saved_model.get(k), now_model.get(k)) for k in MODEL_SHAPE if saved_model.get(k) != now_model.get(k)
+    }
     if incompatible:
         raise SystemExit(
             f"{path} was saved by an incompatible run: the model differs in "
@@ -437,7 +476,10 @@ def load(path, model, optimizer, config):
         with open(rank_file) as f:
             set_rng_state(json.load(f))
     else:
-        print(f"resume: saved with {state['world_size']} ranks, now {dist.get_world_size()}: weights reshard, random generators restart", flush=True)
+        print(
+            f"resume: saved with {state['world_size']} ranks, now {dist.get_world_size()}: weights reshard, random generators restart",
+            flush=True,
+        )
     return state
 
 
@@ -502,14 +544,38 @@ LOCK = "run.lock"
 # --allow-changed: continuing a run with another lr or group size under the same name would give a
 # run directory whose metrics and checkpoints describe neither setting.
 RESUMABLE = {
-    "model", "train_data", "val_data", "out_dir", "resume", "allow_changed",  # paths (the model's shape is checked on load)
-    "max_steps", "epochs",  # extend a finished run
-    "rollout", "gpu_memory_utilization", "tensor_parallel_size", "micro_batch_size", "micro_batch_tokens",
-    "grad_checkpointing", "engine_logprobs",
-    "test_freq", "val_before_train", "val_max_prompts", "val_n", "val_temperature", "early_stop_metric",
-    "early_stop_patience", "logger", "wandb_project", "wandb_run_name", "verbose", "save_model", "save_freq", "max_ckpt_to_keep",
-    "health_bands", "async_save",
-}  # fmt: skip
+    "model",
+    "train_data",
+    "val_data",
+    "out_dir",
+    "resume",
+    "allow_changed",  # paths (the model's shape is checked on load)
+    "max_steps",
+    "epochs",  # extend a finished run
+    "rollout",
+    "gpu_memory_utilization",
+    "tensor_parallel_size",
+    "micro_batch_size",
+    "micro_batch_tokens",
+    "grad_checkpointing",
+    "engine_logprobs",
+    "test_freq",
+    "val_before_train",
+    "val_max_prompts",
+    "val_n",
+    "val_temperature",
+    "early_stop_metric",
+    "early_stop_patience",
+    "logger",
+    "wandb_project",
+    "wandb_run_name",
+    "verbose",
+    "save_model",
+    "save_freq",
+    "max_ckpt_to_keep",
+    "health_bands",
+    "async_save",
+}
 
 
 def lock_run_dir(out_dir):
@@ -528,7 +594,9 @@ def lock_run_dir(out_dir):
         f.seek(0)
         holder = f.read().strip() or "a process that has not written its pid yet"
         f.close()
-        raise SystemExit(f"{out_dir} is in use by another run ({holder}); wait for it or stop it, or pass another --out-dir") from None
+        raise SystemExit(
+            f"{out_dir} is in use by another run ({holder}); wait for it or stop it, or pass another --out-dir"
+        ) from None
     f.truncate(0)
     f.write(json.dumps(dict(pid=os.getpid(), host=socket.gethostname())) + "\n")
     f.flush()
@@ -590,7 +658,11 @@ def check_run_dir(out_dir, resume, config, allow_changed=()):
             saved, where = json.load(f), os.path.join(out_dir, "config.json")
     else:
         return None
-    changed = {k: (saved[k], v) for k, v in config.items() if k in saved and saved[k] != v and k not in RESUMABLE and k not in allow_changed}
+    changed = {
+        k: (saved[k], v)
+        for k, v in config.items()
+        if k in saved and saved[k] != v and k not in RESUMABLE and k not in allow_changed
+    }
     if changed:
         listing = "\n".join(f"    --{k.replace('_', '-')}: {a!r} there, {b!r} now" for k, (a, b) in changed.items())
         raise SystemExit(

@@ -153,9 +153,19 @@ class Args:
 # The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
 # pretrained model. These replace the defaults above unless given on the command line.
 DEMO_OVERRIDES = dict(
-    lr=5e-4, warmup_steps=5, prompt_batch_size=64, mini_batch_size=64, micro_batch_size=128,
-    max_prompt_length=32, max_response_length=4, kl_coef=0.0, weight_decay=0.0, entropy_coef=0.01, max_steps=200, test_freq=10,
-)  # fmt: skip
+    lr=5e-4,
+    warmup_steps=5,
+    prompt_batch_size=64,
+    mini_batch_size=64,
+    micro_batch_size=128,
+    max_prompt_length=32,
+    max_response_length=4,
+    kl_coef=0.0,
+    weight_decay=0.0,
+    entropy_coef=0.01,
+    max_steps=200,
+    test_freq=10,
+)
 
 
 def field_docs(cls):
@@ -170,7 +180,9 @@ def field_docs(cls):
 
 # Flags with a fixed set of values: exactly those the code consumes (rollout.make_engine,
 # train_grpo.lr_factor, loss.agg_loss, loss.kl_penalty). --help lists them; argparse refuses anything else.
-CHOICES = dict(rollout=("auto", "vllm", "hf"), lr_schedule=("constant", "cosine"), loss_agg=AGG_MODES, kl_kind=tuple(KL_KINDS))
+CHOICES = dict(
+    rollout=("auto", "vllm", "hf"), lr_schedule=("constant", "cosine"), loss_agg=AGG_MODES, kl_kind=tuple(KL_KINDS)
+)
 
 
 def check_args(args, world=1):
@@ -179,7 +191,11 @@ def check_args(args, world=1):
     line each naming the flag and what it accepts; [] when all is well. `world` is the number of
     ranks. A new flag gets its rule here."""
     floats = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if f.type is float}
-    not_finite = [f"--{name.replace('_', '-')} must be a finite number, got {v}" for name, v in floats.items() if not math.isfinite(v)]
+    not_finite = [
+        f"--{name.replace('_', '-')} must be a finite number, got {v}"
+        for name, v in floats.items()
+        if not math.isfinite(v)
+    ]
     if not_finite:  # these alone: nan would also fail every comparison below
         return not_finite
     a = args  # short, so that each rule below fits on one line
@@ -189,23 +205,37 @@ def check_args(args, world=1):
         (not a.train_data or os.path.exists(a.train_data), f"--train-data {a.train_data}: no such file or directory"),
         (not a.val_data or os.path.exists(a.val_data), f"--val-data {a.val_data}: no such file or directory"),
         (a.out_dir != "", "--out-dir must not be empty"),
-        (not a.reward_fn or os.path.isfile(a.reward_fn.partition(":")[0]),
-         f"--reward-fn {a.reward_fn}: no such file {a.reward_fn.partition(':')[0]!r}; expected path/to/file.py:function_name"),
+        (
+            not a.reward_fn or os.path.isfile(a.reward_fn.partition(":")[0]),
+            f"--reward-fn {a.reward_fn}: no such file {a.reward_fn.partition(':')[0]!r}; expected path/to/file.py:function_name",
+        ),
         (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
         # ---- schedule
         (a.epochs >= 1, f"--epochs must be >= 1, got {a.epochs}"),
-        (a.max_steps == -1 or a.max_steps >= 1, f"--max-steps must be >= 1, or -1 to run all --epochs, got {a.max_steps}"),
+        (
+            a.max_steps == -1 or a.max_steps >= 1,
+            f"--max-steps must be >= 1, or -1 to run all --epochs, got {a.max_steps}",
+        ),
         (a.prompt_batch_size >= 1, f"--prompt-batch-size must be >= 1, got {a.prompt_batch_size}"),
         # with one response per prompt there is nothing to compare with: advantage.py falls back to
         # the raw reward (REINFORCE without a baseline) and the health monitor misreads it
-        (a.group_size >= 2, f"--group-size must be >= 2: GRPO scores each response against the others to its prompt, got {a.group_size}"),
+        (
+            a.group_size >= 2,
+            f"--group-size must be >= 2: GRPO scores each response against the others to its prompt, got {a.group_size}",
+        ),
         (a.max_prompt_length >= 1, f"--max-prompt-length must be >= 1, got {a.max_prompt_length}"),
         (a.max_response_length >= 1, f"--max-response-length must be >= 1, got {a.max_response_length}"),
         # ---- rollout
-        (a.temperature > 0, f"--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got {a.temperature}"),
+        (
+            a.temperature > 0,
+            f"--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got {a.temperature}",
+        ),
         (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
         (a.top_k == -1 or a.top_k >= 1, f"--top-k must be >= 1, or -1 for off, got {a.top_k}"),
-        (0 < a.gpu_memory_utilization <= 1, f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}"),
+        (
+            0 < a.gpu_memory_utilization <= 1,
+            f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}",
+        ),
         (a.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}"),
         # ---- update
         (a.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {a.ppo_epochs}"),
@@ -218,40 +248,77 @@ def check_args(args, world=1):
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}"),
         (a.grad_clip > 0, f"--grad-clip must be > 0, got {a.grad_clip}"),
-        (0 < a.clip_low < 1, f"--clip-low must be in (0, 1): the ratio is clipped below at 1 - clip_low, got {a.clip_low}"),
+        (
+            0 < a.clip_low < 1,
+            f"--clip-low must be in (0, 1): the ratio is clipped below at 1 - clip_low, got {a.clip_low}",
+        ),
         (a.clip_high > 0, f"--clip-high must be > 0, got {a.clip_high}"),
         (a.clip_c > 1, f"--clip-c must be > 1 for the dual clip to bound anything, got {a.clip_c}"),
         (a.kl_coef >= 0, f"--kl-coef must be >= 0 (0: no KL loss), got {a.kl_coef}"),
         (a.entropy_coef >= 0, f"--entropy-coef must be >= 0 (0: no bonus), got {a.entropy_coef}"),
-        (a.tis_cap == 0 or a.tis_cap >= 1, f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}"),
+        (
+            a.tis_cap == 0 or a.tis_cap >= 1,
+            f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}",
+        ),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
         # ---- what the trainer splits: each rank takes prompt_batch_size / world prompts and
         # mini_batch_size / world of them per optimizer step (so world | mini | prompt)
-        (a.mini_batch_size < 1 or a.prompt_batch_size % a.mini_batch_size == 0,
-         f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --mini-batch-size ({a.mini_batch_size})"),
-        (a.mini_batch_size < 1 or a.mini_batch_size % world == 0, f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})"),
+        (
+            a.mini_batch_size < 1 or a.prompt_batch_size % a.mini_batch_size == 0,
+            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --mini-batch-size ({a.mini_batch_size})",
+        ),
+        (
+            a.mini_batch_size < 1 or a.mini_batch_size % world == 0,
+            f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})",
+        ),
         # ---- validation, logging, saving
         (a.test_freq == -1 or a.test_freq >= 1, f"--test-freq must be >= 1, or -1 for never, got {a.test_freq}"),
         (a.val_temperature >= 0, f"--val-temperature must be >= 0 (0: greedy), got {a.val_temperature}"),
-        (a.val_max_prompts == -1 or a.val_max_prompts >= 1, f"--val-max-prompts must be >= 1, or -1 for all, got {a.val_max_prompts}"),
+        (
+            a.val_max_prompts == -1 or a.val_max_prompts >= 1,
+            f"--val-max-prompts must be >= 1, or -1 for all, got {a.val_max_prompts}",
+        ),
         (a.val_n >= 1, f"--val-n must be >= 1, got {a.val_n}"),
-        (not a.early_stop_metric or a.early_stop_metric.startswith(("val-core/", "val-aux/")),
-         f"--early-stop-metric {a.early_stop_metric}: expected a validation metric, val-core/... or val-aux/... (e.g. val-core/openai/gsm8k/reward/mean@1)"),
+        (
+            not a.early_stop_metric or a.early_stop_metric.startswith(("val-core/", "val-aux/")),
+            f"--early-stop-metric {a.early_stop_metric}: expected a validation metric, val-core/... or val-aux/... (e.g. val-core/openai/gsm8k/reward/mean@1)",
+        ),
         (not a.early_stop_metric or a.test_freq >= 1, "--early-stop-metric needs validation: set --test-freq >= 1"),
         (a.early_stop_patience >= 1, f"--early-stop-patience must be >= 1, got {a.early_stop_patience}"),
-        ("jsonl" in loggers(a), f"--logger {a.logger}: jsonl is required: metrics.jsonl is the run's record (resume and the health report read it)"),
+        (
+            "jsonl" in loggers(a),
+            f"--logger {a.logger}: jsonl is required: metrics.jsonl is the run's record (resume and the health report read it)",
+        ),
         ("wandb" not in loggers(a) or a.wandb_project, "--logger wandb needs --wandb-project NAME"),
-        (not a.wandb_project or "wandb" in loggers(a), "--wandb-project needs wandb in --logger (e.g. --logger console,jsonl,wandb)"),
+        (
+            not a.wandb_project or "wandb" in loggers(a),
+            "--wandb-project needs wandb in --logger (e.g. --logger console,jsonl,wandb)",
+        ),
         (not a.wandb_run_name or a.wandb_project, "--wandb-run-name needs --wandb-project"),
-        (a.save_freq == -1 or a.save_freq >= 1, f"--save-freq must be >= 1, or -1 for no checkpoints, got {a.save_freq}"),
-        (a.max_ckpt_to_keep == -1 or a.max_ckpt_to_keep >= 1, f"--max-ckpt-to-keep must be >= 1, or -1 for all, got {a.max_ckpt_to_keep}"),
-        (a.resume in ("auto", "never") or os.path.isdir(a.resume), f"--resume {a.resume}: no such directory; expected auto, never or a checkpoint directory"),
-    ]  # fmt: skip
+        (
+            a.save_freq == -1 or a.save_freq >= 1,
+            f"--save-freq must be >= 1, or -1 for no checkpoints, got {a.save_freq}",
+        ),
+        (
+            a.max_ckpt_to_keep == -1 or a.max_ckpt_to_keep >= 1,
+            f"--max-ckpt-to-keep must be >= 1, or -1 for all, got {a.max_ckpt_to_keep}",
+        ),
+        (
+            a.resume in ("auto", "never") or os.path.isdir(a.resume),
+            f"--resume {a.resume}: no such directory; expected auto, never or a checkpoint directory",
+        ),
+    ]
     problems = [message for ok, message in rules if not ok]
     fields = {f.name for f in dataclasses.fields(Args)}
-    problems += [f"--logger {name}: expected some of {', '.join(LOGGERS)}" for name in loggers(a) if name not in LOGGERS]
+    problems += [
+        f"--logger {name}: expected some of {', '.join(LOGGERS)}" for name in loggers(a) if name not in LOGGERS
+    ]
     problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in fields]
-    problems += [f"--{name.replace('_', '-')} {getattr(a, name)!r}: expected one of {', '.join(allowed)}" for name, allowed in CHOICES.items() if getattr(a, name) not in allowed]
+    problems += [
+        f"--{name.replace('_', '-')} {getattr(a, name)!r}: expected one of {', '.join(allowed)}"
+        for name, allowed in CHOICES.items()
+        if getattr(a, name) not in allowed
+    ]
     try:
         health.parse_bands(a.health_bands)
     except ValueError as e:
@@ -277,9 +344,11 @@ def parse_args(argv=None):
     # no abbreviations: --max-st 5 would otherwise be --max-steps 5, then lost to the demo's max_steps.
     # A short usage line, so that an error is not buried under fifty flags.
     parser = argparse.ArgumentParser(
-        usage="%(prog)s [--flag value ...]   (--help lists every flag)", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-    )  # fmt: skip
+        usage="%(prog)s [--flag value ...]   (--help lists every flag)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     docs = field_docs(Args)
     for f in dataclasses.fields(Args):
         flag, help_text = "--" + f.name.replace("_", "-"), f"{docs[f.name]} (default: {f.default})"

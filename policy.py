@@ -29,10 +29,15 @@ def make_batch(prompts, responses, pad_id):
         attention_mask[i, P - len(p) : P + len(r)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return dict(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        responses=input_ids[:, P:], response_mask=attention_mask[:, P:].float(), prompt_width=P,
-        prompt_lens=[len(p) for p in prompts], response_lens=[max(len(r), 1) for r in responses],
-    )  # fmt: skip
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        responses=input_ids[:, P:],
+        response_mask=attention_mask[:, P:].float(),
+        prompt_width=P,
+        prompt_lens=[len(p) for p in prompts],
+        response_lens=[max(len(r), 1) for r in responses],
+    )
 
 
 def micro_batches(batch, rows, size, max_tokens=0):
@@ -54,7 +59,11 @@ def micro_batches(batch, rows, size, max_tokens=0):
 def window(batch, rows):
     """The rows of a batch, cut to the columns they use: the padding every row of them has on the
     left of the prompts and the right of the responses is never computed on."""
-    p, r, P = max(batch["prompt_lens"][i] for i in rows), max(batch["response_lens"][i] for i in rows), batch["prompt_width"]
+    p, r, P = (
+        max(batch["prompt_lens"][i] for i in rows),
+        max(batch["response_lens"][i] for i in rows),
+        batch["prompt_width"],
+    )
     cols = slice(P - p, P + r)
     view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
     view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
@@ -102,7 +111,11 @@ def shard(model, mesh, mixed_precision):
     """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in block_names:
@@ -129,3 +142,19 @@ def save_hf(model, tokenizer, out_dir, rank):
     dist.barrier()
 
 
+def load_policy(path, mesh, device, grad_checkpointing=False, reference=False):
+    """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded:
+    fp32 master weights; on a GPU, FSDP computes in bf16."""
+    mixed = device.type == "cuda"
+    policy = load_model(path, torch.float32, device)
+    if grad_checkpointing:  # recompute activations in the backward pass: less memory, more compute
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen = load_model(path, torch.float32, device).eval().requires_grad_(False) if reference else None
+    return shard(policy, mesh, mixed), None if frozen is None else shard(frozen, mesh, mixed)
+
+
+def sync_weights(engine, policy, dtype):
+    """Copy the policy's weights into the engine, one full parameter at a time."""
+    engine.wake_up()
+    engine.update_weights(full_parameters(policy, dtype))
+    engine.sleep()

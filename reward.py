@@ -125,7 +125,9 @@ def load_reward_fn(spec):
     path, _, name = spec.partition(":")
     name = name or "compute_score"
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"reward file {path!r} (from {spec!r}) does not exist; expected path/to/file.py:function_name")
+        raise FileNotFoundError(
+            f"reward file {path!r} (from {spec!r}) does not exist; expected path/to/file.py:function_name"
+        )
     module_spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -156,10 +158,14 @@ def score_responses(reward_fn, data_sources, responses, ground_truths, extra_inf
         try:
             out = reward_fn(data_source=ds, solution_str=resp, ground_truth=gt, extra_info=info)
         except Exception as e:
-            raise RewardError(f"reward function {name} raised on sample {idx} (data_source={ds!r}): {type(e).__name__}: {e}") from e
+            raise RewardError(
+                f"reward function {name} raised on sample {idx} (data_source={ds!r}): {type(e).__name__}: {e}"
+            ) from e
         if isinstance(out, dict):
             if "score" not in out:
-                raise RewardError(f"reward function {name} returned a dict without 'score' on sample {idx} (data_source={ds!r}): keys {sorted(out)}")
+                raise RewardError(
+                    f"reward function {name} returned a dict without 'score' on sample {idx} (data_source={ds!r}): keys {sorted(out)}"
+                )
             for key, value in out.items():
                 if key != "score":
                     extras.setdefault(key, [None] * i).append(value)
@@ -171,7 +177,9 @@ def score_responses(reward_fn, data_sources, responses, ground_truths, extra_inf
         except (TypeError, ValueError):
             value = math.nan
         if not math.isfinite(value):
-            raise RewardError(f"reward function {name} returned {out!r} on sample {idx} (data_source={ds!r}); expected a finite number")
+            raise RewardError(
+                f"reward function {name} returned {out!r} on sample {idx} (data_source={ds!r}); expected a finite number"
+            )
         scores.append(value)
     return scores, extras
 

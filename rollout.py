@@ -47,7 +47,9 @@ class Rollout:
     """The samples of one `generate` call, prompt-major: prompt i's n samples are at [i*n:(i+1)*n]."""
 
     response_ids: list[list[int]] = field(default_factory=list)  # [B*n][T_i], EOS included when generated
-    logprobs: list[list[float]] = field(default_factory=list)  # [B*n][T_i] nats, log softmax(logits / temperature); [] if not asked
+    logprobs: list[list[float]] = field(
+        default_factory=list
+    )  # [B*n][T_i] nats, log softmax(logits / temperature); [] if not asked
     truncated: list[bool] = field(default_factory=list)  # [B*n], True when max_new_tokens ran out before EOS
 
 
@@ -74,7 +76,9 @@ def check_model_path(model_path):
             "or downloaded with `huggingface-cli download ORG/NAME --local-dir DIR`, or a hub id ORG/NAME."
         )
     if not os.path.isdir(path):
-        raise NotADirectoryError(f"model path {path!r}: a file, not a directory; pass the directory holding config.json, the weights and the tokenizer")
+        raise NotADirectoryError(
+            f"model path {path!r}: a file, not a directory; pass the directory holding config.json, the weights and the tokenizer"
+        )
     where = f"model directory {path!r}"
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{where}: no config.json, so it is not a Hugging Face model directory")
@@ -100,7 +104,12 @@ def weight_files(model_dir):
     """The weight files of a model directory, looked for in transformers' order: model.safetensors,
     the shards model.safetensors.index.json lists (each must be there), pytorch_model.bin, the
     shards pytorch_model.bin.index.json lists. An error naming what is missing if none."""
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"):
+    for name in (
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ):
         file = os.path.join(model_dir, name)
         if not os.path.isfile(file):
             continue
@@ -113,7 +122,9 @@ def weight_files(model_dir):
             raise ValueError(f"{file}: not a weight index (JSON with a 'weight_map'): {type(e).__name__}: {e}") from e
         missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
         if missing:
-            raise FileNotFoundError(f"{file}: lists {len(shards)} weight shards, {len(missing)} of them missing: {missing[:5]}")
+            raise FileNotFoundError(
+                f"{file}: lists {len(shards)} weight shards, {len(missing)} of them missing: {missing[:5]}"
+            )
         return [os.path.join(model_dir, s) for s in shards]
     raise FileNotFoundError(
         f"model directory {model_dir!r}: no weights (expected model.safetensors, model.safetensors.index.json "
@@ -133,14 +144,20 @@ def check_safetensors(path):
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 0 or 8 + n > size:
-            raise ValueError(f"{path}: not a complete safetensors file ({size} bytes, too short for the header it declares): a download cut short, or a Git LFS pointer")
+            raise ValueError(
+                f"{path}: not a complete safetensors file ({size} bytes, too short for the header it declares): a download cut short, or a Git LFS pointer"
+            )
         try:
             header = json.loads(f.read(n))
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            raise ValueError(f"{path}: not a valid safetensors file (unreadable header: {type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{path}: not a valid safetensors file (unreadable header: {type(e).__name__}: {e})"
+            ) from e
     if size < 8 + n + end:
-        raise ValueError(f"{path}: truncated: {size} bytes, but its header describes {8 + n + end} (re-download or re-copy it)")
+        raise ValueError(
+            f"{path}: truncated: {size} bytes, but its header describes {8 + n + end} (re-download or re-copy it)"
+        )
 
 
 def stop_token_ids(model_path):
@@ -227,8 +244,20 @@ BENIGN_ROTARY_WARNING = BenignRotaryWarning()
 class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
-    def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, gpu_memory_utilization=0.5,
-                 tensor_parallel_size=1, distributed=False, device=None, verbose=False, **unused):
+    def __init__(
+        self,
+        model_path,
+        *,
+        max_model_len,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=1,
+        distributed=False,
+        device=None,
+        verbose=False,
+        **unused,
+    ):
         # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun)
         check_model_path(model_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring
@@ -265,7 +294,9 @@ class VLLMEngine:
             use_tqdm_on_load=verbose,  # the "Loading safetensors checkpoint shards" bar
         )
 
-    def generate(self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True) -> Rollout:
+    def generate(
+        self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True
+    ) -> Rollout:
         """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy. logprobs=False
         leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU."""
         from vllm import SamplingParams
@@ -275,8 +306,16 @@ class VLLMEngine:
         # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
         request_seeds = [None] * len(prompts) if seeds is None else sample_seeds(seeds, len(prompts), n)[::n]
         params = [
-            SamplingParams(n=n_engine, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
-                           logprobs=0 if logprobs else None, seed=s, detokenize=False)  # 0: the sampled token's
+            SamplingParams(
+                n=n_engine,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=max_new_tokens,
+                logprobs=0 if logprobs else None,
+                seed=s,
+                detokenize=False,
+            )  # 0: the sampled token's
             for s in request_seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -341,8 +380,18 @@ def filter_logits(z, top_k=-1, top_p=1.0):
 class HFEngine:
     """A transformers model of its own, in eval mode, sampled with a KV cache; same interface as VLLMEngine."""
 
-    def __init__(self, model_path, *, max_model_len, dtype="float32", seed=0, device=None, max_batch_size=64,
-                 verbose=False, **unused):
+    def __init__(
+        self,
+        model_path,
+        *,
+        max_model_len,
+        dtype="float32",
+        seed=0,
+        device=None,
+        max_batch_size=64,
+        verbose=False,
+        **unused,
+    ):
         # `verbose` is accepted for VLLMEngine's sake: this engine prints nothing of its own
         check_model_path(model_path)
         from transformers import AutoModelForCausalLM
@@ -358,7 +407,9 @@ class HFEngine:
         self.tensors = self.model.state_dict(keep_vars=True)
 
     @torch.no_grad()
-    def generate(self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True) -> Rollout:
+    def generate(
+        self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True
+    ) -> Rollout:
         """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy. logprobs=False
         leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU."""
         if seeds is None:
@@ -367,8 +418,9 @@ class HFEngine:
         row_seeds = sample_seeds(seeds, len(prompts), n)  # [B*n]
         rollout, chunk = Rollout(), self.max_batch_size
         for s in range(0, len(rows), chunk):  # chunks bound the KV cache's memory
-            self._generate_batch(rollout, rows[s : s + chunk], row_seeds[s : s + chunk], temperature, top_k, top_p,
-                                 max_new_tokens)
+            self._generate_batch(
+                rollout, rows[s : s + chunk], row_seeds[s : s + chunk], temperature, top_k, top_p, max_new_tokens
+            )
         if not logprobs:
             rollout.logprobs = []  # computed anyway: sampling needs them, and they cost nothing more here
         return rollout
@@ -379,7 +431,9 @@ class HFEngine:
 
         B, T0, dev = len(prompts), max(len(p) for p in prompts), self.device
         if T0 >= self.max_model_len:
-            raise ValueError(f"a prompt of {T0} tokens leaves no room to generate in max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"a prompt of {T0} tokens leaves no room to generate in max_model_len={self.max_model_len}"
+            )
         # each row stops at max_new_tokens or at max_model_len, whichever comes first (as in vLLM)
         budget = torch.tensor([min(max_new_tokens, self.max_model_len - len(p)) for p in prompts], device=dev)  # [B]
         # left-pad so that every row's next token is at the last position
@@ -390,15 +444,23 @@ class HFEngine:
             mask[i, T0 - len(p) :] = 1
         # each row draws all its uniforms up front from its own generator, so a row's samples do not
         # depend on the rest of the batch, and sampling a step is one batched op: [B, steps]
-        uniforms = torch.stack([torch.rand(int(budget.max()), generator=torch.Generator().manual_seed(s)) for s in seeds]).to(dev)
+        uniforms = torch.stack(
+            [torch.rand(int(budget.max()), generator=torch.Generator().manual_seed(s)) for s in seeds]
+        ).to(dev)
         eos = torch.tensor(self.eos_ids, device=dev)
         cache = DynamicCache(config=self.model.config)
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         tokens, logps = [], []  # per step, [B] each
         for step in range(int(budget.max())):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]  # left padding shifts them
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V] fp32
             if temperature == 0:  # greedy; log-prob at temperature 1 (vLLM does the same)
                 tok = logits.argmax(-1)  # [B]
@@ -430,8 +492,10 @@ class HFEngine:
         """Copy (hf_name, full tensor) pairs into the model in place, one at a time."""
         for name, tensor in named_tensors:
             if name not in self.tensors:
-                raise KeyError(f"update_weights: {name!r} is not a parameter of the rollout model "
-                               f"(expected Hugging Face names such as {next(iter(self.tensors))!r})")
+                raise KeyError(
+                    f"update_weights: {name!r} is not a parameter of the rollout model "
+                    f"(expected Hugging Face names such as {next(iter(self.tensors))!r})"
+                )
             self.tensors[name].copy_(tensor)  # also updates a tied lm_head, which shares the tensor
 
     def sleep(self):

@@ -37,7 +37,13 @@ def rollout_metrics(scores, advantages, response_mask, prompt_lens, truncated, e
     columns.update(response_length=response_mask.sum(-1), prompt_length=torch.tensor(prompt_lens, dtype=torch.float))
     for name, values in columns.items():
         prefix = f"critic/{name}" if name in ("score", "advantages") else name
-        metrics.update({f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()})
+        metrics.update(
+            {
+                f"{prefix}/mean": values.mean().item(),
+                f"{prefix}/max": values.max().item(),
+                f"{prefix}/min": values.min().item(),
+            }
+        )
     metrics["response_length/clip_ratio"] = float(np.mean(truncated))
     metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
     for key, values in extras.items():
@@ -78,6 +84,19 @@ def memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def sample_records(tokenizer, rows, texts, scores):
+    """Readable samples, {prompt, response, ground_truth, score}, for samples/*.jsonl and the tables."""
+    return [
+        dict(
+            prompt=tokenizer.decode(r["prompt_ids"]),
+            response=text,
+            ground_truth=r["reward_model"]["ground_truth"],
+            score=score,
+        )
+        for r, text, score in zip(rows, texts, scores)
+    ]
+
+
 def should_stop(history, metric, patience):
     """Early stopping from the metric history alone (so a resumed run decides the same way): True
     when `metric` has not improved for `patience` validations."""
@@ -98,9 +117,15 @@ def is_best(history, metric):
 # Where metrics go
 
 # The bar's summary of a step: (metric, short name, format)
-BAR = [("actor/policy_loss", "policy_loss", ".4f"), ("actor/pg_loss", "pg_loss", ".4f"), ("actor/entropy", "entropy", ".4f"),
-       ("actor/kl_loss", "kl_loss", ".5f"), ("critic/advantages/mean", "adv_mean", ".4f"), ("critic/score/mean", "reward", ".4f"),
-       ("actor/grad_norm", "grad_norm", ".2f")]  # fmt: skip
+BAR = [
+    ("actor/policy_loss", "policy_loss", ".4f"),
+    ("actor/pg_loss", "pg_loss", ".4f"),
+    ("actor/entropy", "entropy", ".4f"),
+    ("actor/kl_loss", "kl_loss", ".5f"),
+    ("critic/advantages/mean", "adv_mean", ".4f"),
+    ("critic/score/mean", "reward", ".4f"),
+    ("actor/grad_norm", "grad_norm", ".2f"),
+]
 SAMPLE_COLUMNS = ["step", "prompt", "response", "ground_truth", "score"]
 
 
@@ -160,7 +185,10 @@ class RunLog:
         for warning in self.monitor.update(self.history[-1]):  # the same on every rank: metrics are reduced
             self.write(f"health: {warning}")
         if histograms and "tensorboard" in self.loggers:  # a collective: every rank takes part
-            histograms = {k: np.concatenate([np.asarray(p, dtype=np.float64) for p in all_gather(v)]) for k, v in (histograms or {}).items()}
+            histograms = {
+                k: np.concatenate([np.asarray(p, dtype=np.float64) for p in all_gather(v)])
+                for k, v in (histograms or {}).items()
+            }
         if self.rank != 0:
             return
         with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
@@ -190,10 +218,15 @@ class RunLog:
         with open(os.path.join(self.out_dir, "samples", name), mode) as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         if table and self.wandb:
-            self.wandb.log({table: self.wandb.Table(columns=SAMPLE_COLUMNS, data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])}, step=step)
+            self.wandb.log(
+                {table: self.wandb.Table(columns=SAMPLE_COLUMNS, data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])},
+                step=step,
+            )
         if table and self.tensorboard is not None:
             lines = [" | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ") for c in SAMPLE_COLUMNS) for r in rows]
-            self.tensorboard.add_text(table, "\n".join([" | ".join(SAMPLE_COLUMNS), " | ".join(["---"] * 5), *lines]), step)
+            self.tensorboard.add_text(
+                table, "\n".join([" | ".join(SAMPLE_COLUMNS), " | ".join(["---"] * 5), *lines]), step
+            )
 
     def close(self):
         if self.bar is not None:

@@ -22,6 +22,7 @@ What is kept from verl's GRPO: its data schema, formulas (loss.py, advantage.py)
 dropped: a critic (GRPO needs none), KL in the reward (we use the KL loss, as verl's GRPO
 examples do), multi-turn rollouts and sequence packing.
 """
+
 import dataclasses
 import math
 import os
@@ -42,10 +43,29 @@ from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args
 from distributed import all_sum, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
 from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
-from policy import compute_logprobs, full_parameters, load_model, make_batch, micro_batches, response_logits, save_hf, shard, window
+from policy import (
+    compute_logprobs,
+    load_policy,
+    make_batch,
+    micro_batches,
+    response_logits,
+    save_hf,
+    sync_weights,
+    window,
+)
 from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, response_text, score_rows
 from rollout import check_model_path, make_engine, sampling_seeds, stop_token_ids
-from run_log import RunLog, engine_gap_metrics, is_best, loss_metrics, memory_gb, rollout_metrics, should_stop, timed
+from run_log import (
+    RunLog,
+    engine_gap_metrics,
+    is_best,
+    loss_metrics,
+    memory_gb,
+    rollout_metrics,
+    sample_records,
+    should_stop,
+    timed,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the policy
@@ -59,7 +79,9 @@ def claim_run_dir(args, rank):
     if rank == 0:
         try:
             lock = checkpoint.lock_run_dir(args.out_dir)
-            decision[0] = checkpoint.check_run_dir(args.out_dir, args.resume, dataclasses.asdict(args), allowed_changes(args))
+            decision[0] = checkpoint.check_run_dir(
+                args.out_dir, args.resume, dataclasses.asdict(args), allowed_changes(args)
+            )
         except SystemExit as e:
             decision[1] = str(e)
     dist.broadcast_object_list(decision, src=0)
@@ -89,30 +111,44 @@ def demo_inputs(args, rank):
     dist.barrier()
 
 
-def load_prompts(path, name, tokenizer, args):
-    """Rows of verl's schema with their prompt token ids; over-long prompts dropped and counted."""
+def load_data(args, tokenizer):
+    """The training and validation rows of verl's schema with their prompt token ids (row["prompt_ids"]);
+    prompts longer than --max-prompt-length are dropped and counted."""
     known = None if args.reward_fn else BUILTIN_SOURCES  # without --reward-fn, every row needs a built-in reward
-    try:
-        rows, dropped = data_prep.load_prompts(path, tokenizer, known, args.max_prompt_length)
-    except data_prep.DataError as e:  # names the file, row and field: the message is the error
-        raise SystemExit(str(e)) from None
-    if dropped:
-        print0(f"{name}: dropped {dropped} of {len(rows) + dropped} prompts longer than max_prompt_length={args.max_prompt_length} tokens")
-    return rows
+    out = []
+    for path, name in ((args.train_data, "train data"), (args.val_data, "validation data")):
+        try:
+            rows, dropped = data_prep.load_prompts(path, tokenizer, known, args.max_prompt_length)
+        except data_prep.DataError as e:  # names the file, row and field: the message is the error
+            raise SystemExit(str(e)) from None
+        if dropped:
+            limit = f"max_prompt_length={args.max_prompt_length}"
+            print0(f"{name}: dropped {dropped} of {len(rows) + dropped} prompts longer than {limit} tokens")
+        out.append(rows)
+    train_rows, val_rows = out[0], out[1][: args.val_max_prompts if args.val_max_prompts > 0 else None]
+    if len(train_rows) < args.prompt_batch_size:
+        batch = f"prompt_batch_size={args.prompt_batch_size}"
+        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than {batch}")
+    return train_rows, val_rows
 
 
-def load_policy(args, mesh, device):
-    """The policy to train and the frozen reference (None with --kl-coef 0), FSDP2-sharded. fp32
-    master weights; on a GPU, FSDP computes in bf16."""
-    mixed = device.type == "cuda"
-    policy = load_model(args.model, torch.float32, device)
-    if args.grad_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = shard(policy, mesh, mixed_precision=mixed)
-    reference = None
-    if args.kl_coef > 0:
-        reference = shard(load_model(args.model, torch.float32, device).eval().requires_grad_(False), mesh, mixed_precision=mixed)
-    return policy, reference
+def start_engine(args, world, device):
+    """The rollout engine for --rollout, and the dtype it computes in (bf16 on a GPU, fp32 on CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine = make_engine(
+        args.rollout,
+        args.model,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed=True,
+        device=device,
+        verbose=args.verbose,
+        max_batch_size=args.prompt_batch_size // world * args.group_size,  # HFEngine: a step's rollout in one batch
+    )
+    return engine, dtype
 
 
 def lr_factor(step, args, total_steps):
@@ -145,13 +181,6 @@ def resume(path, args, policy, optimizer, scheduler, total_steps):
     return step, history
 
 
-def sync_weights(engine, policy, dtype):
-    """Copy the policy's weights into the engine, one full parameter at a time."""
-    engine.wake_up()
-    engine.update_weights(full_parameters(policy, dtype))
-    engine.sleep()
-
-
 # ----------------------------------------------------------------------------------------------
 # One step's pieces: prompts, validation, the loss, the update
 
@@ -171,8 +200,17 @@ def run_validation(step, engine, val_rows, tokenizer, reward_fn, eos_ids, args, 
     """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
     engine.wake_up()
     metrics, samples = validate(
-        engine, val_rows, tokenizer, reward_fn, eos_ids, n=args.val_n, temperature=args.val_temperature,
-        max_new_tokens=args.max_response_length, seed=args.seed, rank=rank, world=world,
+        engine,
+        val_rows,
+        tokenizer,
+        reward_fn,
+        eos_ids,
+        n=args.val_n,
+        temperature=args.val_temperature,
+        max_new_tokens=args.max_response_length,
+        seed=args.seed,
+        rank=rank,
+        world=world,
     )
     engine.sleep()
     log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
@@ -204,12 +242,22 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     if args.tis_cap > 0:  # truncated importance sampling: the engine sampled, the trainer scores
         is_weights = torch.exp(old - engine_logp[rows, :r].to(device)).clamp(max=args.tis_cap) * m
     pg_loss, pg_metrics = policy_loss(
-        logp, old, adv_tokens[rows, :r].to(device), m, args.clip_low, args.clip_high, args.clip_c,
-        args.loss_agg, rollout_is_weights=is_weights, norm_len=args.max_response_length,
+        logp,
+        old,
+        adv_tokens[rows, :r].to(device),
+        m,
+        args.clip_low,
+        args.clip_high,
+        args.clip_c,
+        args.loss_agg,
+        rollout_is_weights=is_weights,
+        norm_len=args.max_response_length,
     )
     loss, kl_loss = pg_loss, torch.zeros(())
     if ref_logp is not None:
-        kl_loss = agg_loss(kl_penalty(logp, ref_logp[rows, :r].to(device), args.kl_kind), m, args.loss_agg, args.max_response_length)
+        kl_loss = agg_loss(
+            kl_penalty(logp, ref_logp[rows, :r].to(device), args.kl_kind), m, args.loss_agg, args.max_response_length
+        )
         loss = loss + args.kl_coef * kl_loss
     with torch.set_grad_enabled(args.entropy_coef > 0):
         entropy = agg_loss(entropy_from_logits(logits), m, args.loss_agg, args.max_response_length)
@@ -237,7 +285,9 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
             optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
                 view = window(batch, mb)  # only the columns these rows use
-                loss, terms, old = micro_batch_loss(policy, view, mb, adv_tokens, old_logp, ref_logp, engine_logp, args, device)
+                loss, terms, old = micro_batch_loss(
+                    policy, view, mb, adv_tokens, old_logp, ref_logp, engine_logp, args, device
+                )
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
                     trainer_logp[mb, : old.shape[1]] = old.float().cpu()
                 piece = agg_denominator(view["response_mask"], args.loss_agg)
@@ -278,31 +328,25 @@ def main():
     except (OSError, ValueError) as e:
         raise SystemExit(f"--model: {e}") from None
     config = dataclasses.asdict(args)
-    print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), width=120, subsequent_indent="  "))
+    print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
     from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    if not args.verbose:  # its loading and saving bars would break ours
+        transformers_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except OSError as e:
         raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(stop_token_ids(args.model))
-    train_rows = load_prompts(args.train_data, "train data", tokenizer, args)
-    val_rows = load_prompts(args.val_data, "validation data", tokenizer, args)[: args.val_max_prompts if args.val_max_prompts > 0 else None]
-    if len(train_rows) < args.prompt_batch_size:
-        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than prompt_batch_size={args.prompt_batch_size}")
+    train_rows, val_rows = load_data(args, tokenizer)
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine = make_engine(
-        args.rollout, args.model, max_model_len=args.max_prompt_length + args.max_response_length, dtype=str(engine_dtype).removeprefix("torch."),
-        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
-        distributed=True, device=device, verbose=args.verbose,
-        max_batch_size=args.prompt_batch_size // world * args.group_size,  # the transformers engine: a step's rollout in one batch
-    )
+    engine, engine_dtype = start_engine(args, world, device)
     print0(f"rollout engine: {type(engine).__name__}")
-    policy, reference = load_policy(args, mesh, device)
+    policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, reference=args.kl_coef > 0)
     engine.sleep()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
@@ -312,7 +356,9 @@ def main():
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
-    checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
+    checkpointer = (
+        checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
+    )
     start_step, history = 0, []
     if resume_from:
         start_step, history = resume(resume_from, args, policy, optimizer, scheduler, total_steps)
@@ -335,8 +381,13 @@ def main():
         with timed(timing, "gen"):
             engine.wake_up()
             out = engine.generate(
-                [r["prompt_ids"] for r in rows], n=args.group_size, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, max_new_tokens=args.max_response_length, logprobs=args.engine_logprobs,
+                [r["prompt_ids"] for r in rows],
+                n=args.group_size,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_new_tokens=args.max_response_length,
+                logprobs=args.engine_logprobs,
                 seeds=sampling_seeds(args.seed, step, rank * (args.prompt_batch_size // world), len(rows)),
             )
             engine.sleep()
@@ -397,12 +448,16 @@ def main():
             with timed(timing, "testing"):
                 metrics.update(run_validation(step, *validation))
             metrics["timing_s/testing"] = timing["testing"]
-        histograms = {"critic/score": scores, "critic/advantages": advantages.tolist(), "response_length": mask.sum(-1).tolist()}
-        log.log(step, metrics, histograms)
+        lengths = mask.sum(-1).tolist()
+        log.log(
+            step,
+            metrics,
+            {"critic/score": scores, "critic/advantages": advantages.tolist(), "response_length": lengths},
+        )
         if any(k.startswith("val-") for k in metrics):
             keep_best(log.history, args, policy, tokenizer, rank)
-        log.samples("train.jsonl", step, [dict(prompt=tokenizer.decode(r["prompt_ids"]), response=t, ground_truth=r["reward_model"]["ground_truth"], score=s)
-                                          for r, t, s in list(zip(samples, texts, scores))[: args.group_size]])  # the first prompt's group
+        first_group = slice(0, args.group_size)  # the first prompt's samples, for the reader
+        log.samples("train.jsonl", step, sample_records(tokenizer, samples[first_group], texts, scores))
 
         # ---- checkpoint: everything needed to continue this run exactly
         stop = should_stop(log.history, args.early_stop_metric, args.early_stop_patience)
@@ -412,7 +467,8 @@ def main():
                 trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
                 checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
         if stop:
-            log.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {args.early_stop_patience} validations")
+            patience = f"{args.early_stop_patience} validations"
+            log.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {patience}")
             break
     if checkpointer:
         checkpointer.wait()  # a background save must finish before we exit
@@ -424,7 +480,8 @@ def main():
         print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
     if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
         path, verdicts = health.write_report(args.out_dir)
-        print0(f"health report: {path}: {verdicts['overall']} ({verdicts['problem']} problem, {verdicts['watch']} watch, {verdicts['healthy']} healthy)")
+        counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
+        print0(f"health report: {path}: {verdicts['overall']} ({counts})")
     engine.close()  # before destroy_process_group, or vLLM's shutdown fails
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
         dist.destroy_process_group()

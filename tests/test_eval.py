@@ -58,7 +58,13 @@ def test_validation_metrics_are_named_like_verl_and_split_by_source():
 
 def test_samples_table_is_one_readable_line_per_sample():
     long_prompt = "a" * 100 + " How many apples?"
-    table = samples_table([dict(prompt=long_prompt, response="#### 5\nok", ground_truth="5", score=1.0), dict(prompt="p", response="r", ground_truth="7", score=0.0)], width=30)
+    table = samples_table(
+        [
+            dict(prompt=long_prompt, response="#### 5\nok", ground_truth="5", score=1.0),
+            dict(prompt="p", response="r", ground_truth="7", score=0.0),
+        ],
+        width=30,
+    )
     lines = table.splitlines()
     assert len(lines) == 4 and lines[0].startswith("prompt") and set(lines[1]) == {"-"}
     assert "How many apples?" in lines[2]  # the end of a long prompt is what identifies it
@@ -79,22 +85,69 @@ def tiny_eval_setup(tmp_path_factory):
 @pytest.mark.slow
 def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
     root, model = tiny_eval_setup
-    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--temperature", "1.0", "--max-new-tokens", "4", "--rollout", "vllm"]
-    one = subprocess.run([sys.executable, "eval.py", *args, "--n", "4", "--out", str(root / "one.json")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    args = [
+        "--model",
+        model,
+        "--data",
+        str(root / "data" / "test.parquet"),
+        "--temperature",
+        "1.0",
+        "--max-new-tokens",
+        "4",
+        "--rollout",
+        "vllm",
+    ]
+    one = subprocess.run(
+        [sys.executable, "eval.py", *args, "--n", "4", "--out", str(root / "one.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "val-core/synthetic/digits/reward/mean@4" in one.stdout
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "eval.py", *args, "--samples", "4", "--out", str(root / "two.json")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "eval.py",
+            *args,
+            "--samples",
+            "4",
+            "--out",
+            str(root / "two.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = json.load(open(root / "one.json")), json.load(open(root / "two.json"))
     assert a["prompts"] == 12 and a["metrics"] == b["metrics"]  # per-prompt seeds: the split does not matter
-    assert {"val-aux/synthetic/digits/reward/pass@4", "val-aux/synthetic/digits/reward/best@2/mean"} <= set(a["metrics"])
+    assert {"val-aux/synthetic/digits/reward/pass@4", "val-aux/synthetic/digits/reward/best@2/mean"} <= set(
+        a["metrics"]
+    )
 
 
 @pytest.mark.slow
 def test_standalone_eval_caps_responses_at_the_models_context(tiny_eval_setup):
     root, model = tiny_eval_setup  # the tiny model has 512 positions; the default --max-new-tokens is 1024
-    args = ["--model", model, "--data", str(root / "data" / "test.parquet"), "--max-prompts", "2", "--rollout", "hf", "--out", str(root / "cap.json")]
+    args = [
+        "--model",
+        model,
+        "--data",
+        str(root / "data" / "test.parquet"),
+        "--max-prompts",
+        "2",
+        "--rollout",
+        "hf",
+        "--out",
+        str(root / "cap.json"),
+    ]
     proc = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the model has 512 positions, so responses stop there" in proc.stdout
@@ -107,10 +160,18 @@ def test_a_missing_model_is_named(tmp_path):
 
     data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=4)
     env = dict(os.environ, HF_HUB_OFFLINE="1")  # a machine without the hub, at once
-    for model, message in [("missing", "--model missing: not a local model directory, and it cannot be loaded as a Hugging Face hub id"),
-                           (str(tmp_path / "missing"), "no such directory")]:  # fmt: skip
-        proc = subprocess.run([sys.executable, "eval.py", "--model", model, "--data", str(tmp_path / "data" / "test.parquet")],
-                              cwd=REPO, capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    for model, message in [
+        ("missing", "--model missing: not a local model directory, and it cannot be loaded as a Hugging Face hub id"),
+        (str(tmp_path / "missing"), "no such directory"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "eval.py", "--model", model, "--data", str(tmp_path / "data" / "test.parquet")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -130,7 +191,10 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
     data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
     rows, _ = data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer)
     answers = [r["reward_model"]["ground_truth"] for r in rows]
-    eos, other_stop = tokenizer.eos_token_id, tokenizer.pad_token_id  # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
+    eos, other_stop = (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )  # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
 
     class Scripted:
         """Prompt i's first sample is right and ends in EOS, its second wrong and ends in the other stop id."""
@@ -138,12 +202,19 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
         def generate(self, prompts, *, n, seeds, **kw):
             self.seeds = seeds
             ids = [tokenizer.convert_tokens_to_ids(a) for a in answers[: len(prompts)]]
-            return Rollout(response_ids=[r for i in ids for r in ([i, eos], [(i + 1) % 10 + 3, other_stop])][: len(prompts) * n])
+            return Rollout(
+                response_ids=[r for i in ids for r in ([i, eos], [(i + 1) % 10 + 3, other_stop])][: len(prompts) * n]
+            )
 
     engine = Scripted()
-    metrics, samples = validate(engine, rows, tokenizer, compute_score, {eos, other_stop}, n=2, temperature=1.0, max_new_tokens=4, seed=7)
+    metrics, samples = validate(
+        engine, rows, tokenizer, compute_score, {eos, other_stop}, n=2, temperature=1.0, max_new_tokens=4, seed=7
+    )
     assert engine.seeds == sampling_seeds(7, VALIDATION_STEP, 0, 3)
-    assert metrics["val-core/synthetic/digits/reward/mean@2"] == 0.5 and metrics["val-aux/synthetic/digits/reward/pass@2"] == 1.0
+    assert (
+        metrics["val-core/synthetic/digits/reward/mean@2"] == 0.5
+        and metrics["val-aux/synthetic/digits/reward/pass@2"] == 1.0
+    )
     assert [s["score"] for s in samples] == [1.0, 0.0] * 3 and samples[0]["response"] == answers[0]  # EOS stripped
     assert "<" not in samples[1]["response"]  # so is the other stop id
     assert samples[0]["prompt"] == tokenizer.decode(rows[0]["prompt_ids"])

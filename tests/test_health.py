@@ -18,12 +18,28 @@ VAL = "val-core/synthetic/digits/reward/mean@1"
 def step_row(step, **over):
     """One healthy training step; `over` replaces any metric."""
     row = {
-        "step": step, "actor/grad_norm": 0.5, "actor/kl_loss": 0.001, "actor/entropy": 0.8, "actor/pg_loss": 0.01,
-        "actor/ppo_kl": 0.0, "critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/advantages/min": -1.5, "critic/advantages/max": 1.5,
-        "frac_reward_zero_std": 0.3, "response_length/mean": 3.0, "response_length/max": 4.0, "response_length/min": 1.0,
-        "timing_s/step": 1.0, "timing_s/gen": 0.4, "timing_s/update_actor": 0.5, "timing_s/update_weights": 0.02,
-        "perf/throughput": 1000.0, "perf/total_num_tokens": 1000.0, "perf/max_memory_allocated_gb": 2.0,
-    }  # fmt: skip
+        "step": step,
+        "actor/grad_norm": 0.5,
+        "actor/kl_loss": 0.001,
+        "actor/entropy": 0.8,
+        "actor/pg_loss": 0.01,
+        "actor/ppo_kl": 0.0,
+        "critic/score/mean": 0.5,
+        "critic/score/max": 1.0,
+        "critic/advantages/min": -1.5,
+        "critic/advantages/max": 1.5,
+        "frac_reward_zero_std": 0.3,
+        "response_length/mean": 3.0,
+        "response_length/max": 4.0,
+        "response_length/min": 1.0,
+        "timing_s/step": 1.0,
+        "timing_s/gen": 0.4,
+        "timing_s/update_actor": 0.5,
+        "timing_s/update_weights": 0.02,
+        "perf/throughput": 1000.0,
+        "perf/total_num_tokens": 1000.0,
+        "perf/max_memory_allocated_gb": 2.0,
+    }
     row.update(over)
     return row
 
@@ -71,7 +87,11 @@ def test_each_signal_warns_once_when_it_leaves_its_band(over, expected):
 def test_a_warning_repeats_only_after_the_signal_was_healthy_for_quiet_steps():
     monitor = health.Monitor(health.parse_bands("quiet=5"), total_steps=100)
     bad = {"actor/kl_loss": 0.1}
-    rows = [step_row(1, **bad), *[step_row(s) for s in range(2, 5)], step_row(5, **bad)]  # back after 3 healthy steps: quiet
+    rows = [
+        step_row(1, **bad),
+        *[step_row(s) for s in range(2, 5)],
+        step_row(5, **bad),
+    ]  # back after 3 healthy steps: quiet
     rows += [*[step_row(s) for s in range(6, 12)], step_row(12, **bad)]  # back after 6 healthy steps: warns again
     assert [w.split(":")[0] for w in feed(monitor, rows)] == ["step 1", "step 12"]
 
@@ -84,8 +104,14 @@ def test_grad_norm_jump_is_relative_to_the_recent_median():
 
 def test_a_sudden_entropy_drop_blames_the_learning_rate():
     monitor = health.Monitor(health.Bands(), total_steps=100)
-    rows = [step_row(1, **{"actor/entropy": 2.0}), step_row(2, **{"actor/entropy": 1.2}), step_row(3, **{"actor/entropy": 0.5})]
-    assert feed(monitor, rows) == ["step 3: actor/entropy fell 58% in one step (1.2 -> 0.5): an update this large means the learning rate is too high"]
+    rows = [
+        step_row(1, **{"actor/entropy": 2.0}),
+        step_row(2, **{"actor/entropy": 1.2}),
+        step_row(3, **{"actor/entropy": 0.5}),
+    ]
+    assert feed(monitor, rows) == [
+        "step 3: actor/entropy fell 58% in one step (1.2 -> 0.5): an update this large means the learning rate is too high"
+    ]
 
 
 def test_high_entropy_warns_only_late_in_training():
@@ -115,9 +141,13 @@ def test_the_gap_is_not_judged_while_train_reward_is_near_zero():
 def write_run(run_dir, rows, **config):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "config.json").write_text(json.dumps({**dict(max_steps=100, kl_coef=0.001, lr=1e-6, model="m"), **config}))
+    (run_dir / "config.json").write_text(
+        json.dumps({**dict(max_steps=100, kl_coef=0.001, lr=1e-6, model="m"), **config})
+    )
     (run_dir / "samples").mkdir(exist_ok=True)
-    samples = [dict(step=100, prompt=f"q{i} | x", response=f"a{i}", ground_truth=str(i), score=float(i % 2)) for i in range(10)]
+    samples = [
+        dict(step=100, prompt=f"q{i} | x", response=f"a{i}", ground_truth=str(i), score=float(i % 2)) for i in range(10)
+    ]
     (run_dir / "samples" / "val_step_100.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
@@ -141,7 +171,15 @@ def test_report_of_a_healthy_run(tmp_path):
     path, counts = health.write_report(str(tmp_path / "run"))
     text = open(path).read()
     assert counts == dict(problem=0, watch=0, healthy=13, overall="healthy"), text
-    for section in ("## Task effect", "## Convergence", "## Stability", "## Efficiency", "## Live warnings (0)", "## Best and worst samples", "## Plots"):
+    for section in (
+        "## Task effect",
+        "## Convergence",
+        "## Stability",
+        "## Efficiency",
+        "## Live warnings (0)",
+        "## Best and worst samples",
+        "## Plots",
+    ):
         assert section in text
     assert f"| final `{VAL}` | 0.450 at step 100 (first 0.100, best 0.450 at step 100) | healthy |" in text
     assert "| q1 \\| x | a1 | 1 |" in text  # a sample, with its '|' escaped for the table
@@ -164,11 +202,19 @@ def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
     rows = [{"step": 0, VAL: 0.3}]
     for s in range(1, 101):
         late = s > 50
-        rows.append(step_row(s, **{
-            "critic/score/mean": 0.6 if late else 0.4, "actor/entropy": 0.01 if late else 0.8,
-            "actor/grad_norm": 30.0 if late else 0.5, "actor/kl_loss": 0.2 if late else 0.001,
-            "frac_reward_zero_std": 1.0 if late else 0.3, "timing_s/step": 4.0 if late else 1.0,
-        }))  # fmt: skip
+        rows.append(
+            step_row(
+                s,
+                **{
+                    "critic/score/mean": 0.6 if late else 0.4,
+                    "actor/entropy": 0.01 if late else 0.8,
+                    "actor/grad_norm": 30.0 if late else 0.5,
+                    "actor/kl_loss": 0.2 if late else 0.001,
+                    "frac_reward_zero_std": 1.0 if late else 0.3,
+                    "timing_s/step": 4.0 if late else 1.0,
+                },
+            )
+        )
         if s % 10 == 0:
             rows[-1][VAL] = 0.5 if s <= 50 else 0.5 - 0.05 * (s - 50) / 10
     rows[-1]["actor/skipped_updates"] = 1
@@ -177,11 +223,17 @@ def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
     got = verdicts(open(path).read())
     assert counts["overall"] == "problem"
     expected = {
-        f"final `{VAL}`": "problem", "validation trend": "problem", "train vs validation": "problem",
-        "entropy (actor/entropy)": "problem", "update size (largest one-step entropy drop)": "problem", "KL to the reference (actor/kl_loss)": "problem",
-        "grad norm (actor/grad_norm)": "problem", "advantages": "problem", "skipped (non-finite) updates": "problem",
+        f"final `{VAL}`": "problem",
+        "validation trend": "problem",
+        "train vs validation": "problem",
+        "entropy (actor/entropy)": "problem",
+        "update size (largest one-step entropy drop)": "problem",
+        "KL to the reference (actor/kl_loss)": "problem",
+        "grad norm (actor/grad_norm)": "problem",
+        "advantages": "problem",
+        "skipped (non-finite) updates": "problem",
         "step time (timing_s/step)": "problem",
-    }  # fmt: skip
+    }
     assert {k: got[k] for k in expected} == expected, got
 
 
@@ -199,7 +251,9 @@ def test_report_reads_a_run_killed_mid_write_and_names_a_corrupt_line(tmp_path, 
 
 
 def test_eval_report_command(tmp_path, capsys):
-    write_run(tmp_path / "run", [step_row(s, **{"actor/kl_loss": 0.05}) for s in range(1, 11)], health_bands="kl_max=0.1")
+    write_run(
+        tmp_path / "run", [step_row(s, **{"actor/kl_loss": 0.05}) for s in range(1, 11)], health_bands="kl_max=0.1"
+    )
     evaluate.main(["report", str(tmp_path / "run")])  # the run's own bands: KL 0.05 is within 0.1
     out = capsys.readouterr().out
     assert "| KL to the reference (actor/kl_loss) | mean 0.05, max 0.05 | healthy | mean and max <= 0.1 |" in out

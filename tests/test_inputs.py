@@ -9,12 +9,11 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_data_prep import GOOD  # one valid row of verl's schema
 
 from data_prep import DataError, load_dataset
-from test_data_prep import GOOD  # one valid row of verl's schema
 from reward import BUILTIN_SOURCES
 from rollout import check_model_path, make_engine
-
 
 
 def write_rows(path, rows):
@@ -79,7 +78,14 @@ def test_hub_ids_pass_and_missing_local_paths_do_not(tmp_path, monkeypatch):
     for hub_id in ("Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2"):
         check_model_path(hub_id)  # downloaded and checked by transformers / vLLM, not here
     os.makedirs("runs")
-    for local in (str(tmp_path / "no_such_model"), "./no_such_model", "../no_such_model", "~/no_such_model", "runs/grpo/final_model", "runs/final_model"):
+    for local in (
+        str(tmp_path / "no_such_model"),
+        "./no_such_model",
+        "../no_such_model",
+        "~/no_such_model",
+        "runs/grpo/final_model",
+        "runs/final_model",
+    ):
         with pytest.raises(FileNotFoundError, match="no such directory") as err:
             check_model_path(local)
         assert repr(local) in str(err.value)

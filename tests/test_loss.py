@@ -80,7 +80,9 @@ def test_logprobs_of_a_response_slice_need_no_copy_of_it():
     view = full[:, 9:39]
     ours = saved_bytes(lambda: logprobs_from_logits(view, labels, chunk=8), full)
     assert ours < view.numel() * 4 / 100
-    torch.testing.assert_close(logprobs_from_logits(view, labels).double(), naive_logprobs(view.detach(), labels), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logprobs_from_logits(view, labels).double(), naive_logprobs(view.detach(), labels), atol=1e-5, rtol=0
+    )
 
 
 def test_entropy():

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import torch
+from conftest import QWEN_DIR, REPO, need
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from conftest import QWEN_DIR, REPO, need
 from models import build_random_model, build_tiny_model
 
 
@@ -16,16 +16,22 @@ def test_tiny_model_round_trips_through_auto_classes(tmp_path):
     path = build_tiny_model(str(tmp_path / "tiny"), words, seed=3)
     tok = AutoTokenizer.from_pretrained(path)
     # the word-level tokenizer survives loading (transformers swaps in Qwen's byte-level one for qwen2 configs)
-    assert tok.encode("list 1 2 pos 1", add_special_tokens=False) == tok.convert_tokens_to_ids(["list", "1", "2", "pos", "1"])
+    assert tok.encode("list 1 2 pos 1", add_special_tokens=False) == tok.convert_tokens_to_ids(
+        ["list", "1", "2", "pos", "1"]
+    )
     assert tok.decode(tok.convert_tokens_to_ids(["1", "2", "<eos>"]), skip_special_tokens=True) == "1 2"
-    text = tok.apply_chat_template([{"role": "user", "content": "list 1 2"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "list 1 2"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<bos><|user|> list 1 2 <|assistant|>"
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = model.config
     assert config.vocab_size == len(tok) and config.hidden_size // config.num_attention_heads == 64  # vLLM CPU needs 64
     assert config.eos_token_id == tok.eos_token_id
-    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "1"}], add_generation_prompt=True, return_dict=False)])
+    ids = torch.tensor(
+        [tok.apply_chat_template([{"role": "user", "content": "1"}], add_generation_prompt=True, return_dict=False)]
+    )
     assert model(ids).logits.shape == (1, ids.shape[1], len(tok))
     # the same seed gives the same weights
     again = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(tmp_path / "again"), words, seed=3))
@@ -34,24 +40,50 @@ def test_tiny_model_round_trips_through_auto_classes(tmp_path):
 
 def test_random_model_keeps_the_real_tokenizer_vocabulary_and_template(tmp_path):
     need(QWEN_DIR)
-    path = build_random_model(str(tmp_path / "q"), QWEN_DIR, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    path = build_random_model(
+        str(tmp_path / "q"),
+        QWEN_DIR,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     assert config.model_type == "qwen2" and config.vocab_size == 151936 and len(tok) == 151665
-    assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (128, 2, 64, 1)
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (
+        128,
+        2,
+        64,
+        1,
+    )
     assert config.intermediate_size == 4864 and config.tie_word_embeddings  # what was not overridden stays
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
     )
-    generation = GenerationConfig.from_pretrained(path)  # copied as it is: the trainer must ignore its sampling defaults
-    assert generation.eos_token_id == [151645, 151643] and generation.top_k == 20 and generation.repetition_penalty == 1.1
+    generation = GenerationConfig.from_pretrained(
+        path
+    )  # copied as it is: the trainer must ignore its sampling defaults
+    assert (
+        generation.eos_token_id == [151645, 151643] and generation.top_k == 20 and generation.repetition_penalty == 1.1
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.shape == (151936, 128)
 
 
 def test_random_model_cli_names_a_missing_config(tmp_path):
-    proc = subprocess.run([sys.executable, "models.py", "random", "--like", str(tmp_path), "--out", str(tmp_path / "o")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode != 0 and f"models.py random: {tmp_path}: not a model directory (no config.json there)" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "models.py", "random", "--like", str(tmp_path), "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        proc.returncode != 0
+        and f"models.py random: {tmp_path}: not a model directory (no config.json there)" in proc.stderr
+    )

@@ -33,11 +33,17 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
         parts = policy.micro_batches(batch, list(range(7)), micro, max_tokens)
         assert sorted(sum(parts, [])) == list(range(7))
         if max_tokens:  # packed by length: each micro-batch's padded size stays under the budget
-            assert len(parts) > 1 and all(len(mb) == 1 or len(mb) * policy.window(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts)
+            assert len(parts) > 1 and all(
+                len(mb) == 1 or len(mb) * policy.window(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts
+            )
         got = policy.compute_logprobs(model, batch, micro, max_tokens, temperature=1.0, device=CPU)
         torch.testing.assert_close(got * batch["response_mask"], whole * batch["response_mask"], rtol=0, atol=1e-5)
     view = policy.window(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
     assert view["input_ids"].shape == (2, 7) and view["responses"].shape == (2, 2)
     # the LM head runs only on the response positions: the same logits as a full forward, sliced
-    full = model(input_ids=view["input_ids"], attention_mask=view["attention_mask"], position_ids=view["position_ids"]).logits
-    torch.testing.assert_close(policy.response_logits(model, view, CPU), full[:, view["prompt_width"] - 1 : -1], rtol=0, atol=1e-6)
+    full = model(
+        input_ids=view["input_ids"], attention_mask=view["attention_mask"], position_ids=view["position_ids"]
+    ).logits
+    torch.testing.assert_close(
+        policy.response_logits(model, view, CPU), full[:, view["prompt_width"] - 1 : -1], rtol=0, atol=1e-6
+    )

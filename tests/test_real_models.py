@@ -12,10 +12,10 @@ import json
 
 import pytest
 import torch
+from conftest import gsm8k_flags, metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_prep
-from conftest import gsm8k_flags, metrics, run_script
 from loss import logprobs_from_logits
 from rollout import HFEngine, VLLMEngine, stop_token_ids
 
@@ -28,7 +28,9 @@ def gsm8k_prompts(gsm8k_data, qwen_model):
     """Real GSM8K training prompts rendered with Qwen's chat template: token id lists."""
     tok = AutoTokenizer.from_pretrained(qwen_model)
     rows = data_prep.load_dataset(str(gsm8k_data / "train.parquet"))[:64]
-    return [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows]
+    return [
+        tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False) for r in rows
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,9 @@ def test_responses_end_at_im_end_with_the_trainers_log_probs(qwen_engine, qwen_m
             logits = model(torch.tensor([prompt + ids])).logits[:, len(prompt) - 1 : -1]  # [1, T, V]
         trainer_logp = logprobs_from_logits(logits, torch.tensor([ids]), 1.0)[0]
         worst = max(worst, (trainer_logp - torch.tensor(engine_logp)).abs().max().item())
-        ranks = (logits[0] > logits[0].gather(-1, torch.tensor(ids)[:, None])).sum(-1)  # tokens more likely than the sampled one
+        ranks = (logits[0] > logits[0].gather(-1, torch.tensor(ids)[:, None])).sum(
+            -1
+        )  # tokens more likely than the sampled one
         beyond_top_20 += int((ranks >= 20).sum())
     assert worst <= 1e-4
     assert beyond_top_20 > 0  # with top_k 20 in force, no sampled token could rank below 20th
@@ -90,7 +94,9 @@ def test_a_gsm8k_rollout_over_the_step_budget(qwen_vllm, gsm8k_prompts):
     """The issue's crash: 64 GSM8K prompts x 8 samples, about 7,000 prompt tokens against vLLM's
     4,096 per step, seeded: "CPU Generator does not use offset" before rollout.cpu_scheduling."""
     assert sum(map(len, gsm8k_prompts)) > 4096
-    out = qwen_vllm.generate(gsm8k_prompts, n=8, temperature=1.0, max_new_tokens=4, seeds=list(range(64)), logprobs=False)
+    out = qwen_vllm.generate(
+        gsm8k_prompts, n=8, temperature=1.0, max_new_tokens=4, seeds=list(range(64)), logprobs=False
+    )
     assert len(out.response_ids) == 64 * 8
     alone = qwen_vllm.generate(gsm8k_prompts[40:41], n=8, temperature=1.0, max_new_tokens=4, seeds=[40], logprobs=False)
     assert out.response_ids[40 * 8 : 41 * 8] == alone.response_ids  # seeded per prompt, whatever the batch
@@ -108,11 +114,34 @@ def qwen_runs(tmp_path_factory, qwen_model, gsm8k_data):
     root = tmp_path_factory.mktemp("qwen_runs")
     # a random model never answers a GSM8K question, so every advantage would be 0 and the policy
     # would not move: a reward of the response's length gives the update something to do
-    (root / "length_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 100\n")
+    (root / "length_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) / 100\n"
+    )
     flags = [
-        "--model", qwen_model, *gsm8k_flags(gsm8k_data), "--reward-fn", str(root / "length_reward.py"), "--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8",
-        "--group-size", "4", "--max-response-length", "16", "--test-freq", "2", "--val-max-prompts", "8", "--lr", "1e-3", "--save-freq", "-1",
-    ]  # fmt: skip
+        "--model",
+        qwen_model,
+        *gsm8k_flags(gsm8k_data),
+        "--reward-fn",
+        str(root / "length_reward.py"),
+        "--max-steps",
+        "2",
+        "--prompt-batch-size",
+        "8",
+        "--mini-batch-size",
+        "8",
+        "--group-size",
+        "4",
+        "--max-response-length",
+        "16",
+        "--test-freq",
+        "2",
+        "--val-max-prompts",
+        "8",
+        "--lr",
+        "1e-3",
+        "--save-freq",
+        "-1",
+    ]
     for engine, ranks in (("vllm", 1), ("vllm", 2), ("hf", 2)):
         run_script(*flags, "--rollout", engine, "--out-dir", str(root / f"{engine}{ranks}"), ranks=ranks)
     return root
@@ -125,10 +154,14 @@ def test_qwen_grpo_on_gsm8k(qwen_runs, run_name):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
-        assert row["training/rollout_logprob_diff_max"] <= 1e-4  # the generation config's sampling defaults did not leak
+        assert (
+            row["training/rollout_logprob_diff_max"] <= 1e-4
+        )  # the generation config's sampling defaults did not leak
         assert 0 < row["response_length/clip_ratio"] < 1  # responses end at <|im_end|>, or at 16 tokens
         assert row["prompt_length/mean"] > 60 and row["actor/kl_loss"] >= 0
-    assert rows[2]["actor/kl_loss"] > 0  # the reference is a separate, frozen copy (lr 1e-3 moves the policy measurably)
+    assert (
+        rows[2]["actor/kl_loss"] > 0
+    )  # the reference is a separate, frozen copy (lr 1e-3 moves the policy measurably)
     # the prompts the policy saw: the real chat template, with Qwen's default system prompt
     samples = [json.loads(line) for line in open(run / "samples" / "train.jsonl")]
     assert samples and all(s["prompt"].startswith(QWEN_SYSTEM + "<|im_start|>user\n") for s in samples)
@@ -141,7 +174,9 @@ def test_qwen_one_and_two_ranks_draw_the_same_samples_and_make_the_same_update(q
     one, two = metrics(qwen_runs / "vllm1"), metrics(qwen_runs / "vllm2")
     assert len(one) == len(two) == 3
     for a, b in zip(one[1:], two[1:]):
-        assert a["response_length/mean"] == b["response_length/mean"] and a["critic/score/mean"] == pytest.approx(b["critic/score/mean"], rel=1e-6)
+        assert a["response_length/mean"] == b["response_length/mean"] and a["critic/score/mean"] == pytest.approx(
+            b["critic/score/mean"], rel=1e-6
+        )
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 

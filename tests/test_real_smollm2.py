@@ -9,18 +9,29 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, gsm8k_flags, metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from conftest import REPO, gsm8k_flags, metrics, run_script
 from rollout import stop_token_ids
 
 
 def test_smollm2_is_a_plain_hugging_face_model(smollm2_model):
     files = set(os.listdir(smollm2_model))
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
     config = json.load(open(os.path.join(smollm2_model, "config.json")))
     assert "quantization_config" not in config  # loads as plain fp32 weights, no GGUF needed
-    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == ("llama", 576, 30, 49152)
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (
+        "llama",
+        576,
+        30,
+        49152,
+    )
     model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32)
     assert model.num_parameters() == 134_515_008 and model.lm_head.weight is model.model.embed_tokens.weight
     assert GenerationConfig.from_pretrained(smollm2_model).eos_token_id == 2 and stop_token_ids(smollm2_model) == [2]
@@ -34,7 +45,9 @@ def test_smollm2_tokenizer_splits_digits_and_has_its_chat_template(smollm2_model
     assert tok.convert_ids_to_tokens(tok.encode("is  42")) == ["is", "ĠĠ", "4", "2"]
     assert tok.decode(tok.encode("x = 3,000.5\n\n#### 12")) == "x = 3,000.5\n\n#### 12"
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", 2, 2)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
@@ -44,7 +57,9 @@ def test_smollm2_tokenizer_splits_digits_and_has_its_chat_template(smollm2_model
 def test_smollm2_answers_like_the_pretrained_model(smollm2_model):
     tok = AutoTokenizer.from_pretrained(smollm2_model)
     model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert tok.decode(out[0, ids["input_ids"].shape[1] :]) == "2 + 3 = 5<|im_end|>"
 
@@ -62,10 +77,34 @@ def test_smollm2_grpo_on_gsm8k_over_the_step_budget_then_eval(tmp_path, smollm2_
     the result, sampled, over 40 test prompts (also over the budget)."""
     run = tmp_path / "run"
     flags = [
-        "--model", smollm2_model, *gsm8k_flags(gsm8k_data), "--out-dir", str(run), "--rollout", "vllm", "--max-steps", "2",
-        "--prompt-batch-size", "24", "--mini-batch-size", "24", "--group-size", "2", "--max-response-length", "8", "--kl-coef", "0",
-        "--lr", "1e-5", "--test-freq", "2", "--val-max-prompts", "8", "--save-freq", "-1",
-    ]  # fmt: skip
+        "--model",
+        smollm2_model,
+        *gsm8k_flags(gsm8k_data),
+        "--out-dir",
+        str(run),
+        "--rollout",
+        "vllm",
+        "--max-steps",
+        "2",
+        "--prompt-batch-size",
+        "24",
+        "--mini-batch-size",
+        "24",
+        "--group-size",
+        "2",
+        "--max-response-length",
+        "8",
+        "--kl-coef",
+        "0",
+        "--lr",
+        "1e-5",
+        "--test-freq",
+        "2",
+        "--val-max-prompts",
+        "8",
+        "--save-freq",
+        "-1",
+    ]
     run_script(*flags)
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -73,8 +112,22 @@ def test_smollm2_grpo_on_gsm8k_over_the_step_budget_then_eval(tmp_path, smollm2_
         assert row["prompt_length/mean"] * 48 > 4096  # this step's rollout crossed vLLM's per-step budget
         assert row["training/rollout_logprob_diff_max"] <= 1e-4
     out = tmp_path / "eval.json"
-    eval_flags = ["--model", str(run / "final_model"), "--data", str(gsm8k_data / "test.parquet"), "--max-prompts", "40",
-                  "--samples", "2", "--temperature", "1.0", "--max-new-tokens", "8", "--out", str(out)]  # fmt: skip
+    eval_flags = [
+        "--model",
+        str(run / "final_model"),
+        "--data",
+        str(gsm8k_data / "test.parquet"),
+        "--max-prompts",
+        "40",
+        "--samples",
+        "2",
+        "--temperature",
+        "1.0",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+    ]
     run_script(*eval_flags, script="eval.py")
     result = json.load(open(out))
     assert result["prompts"] == 40 and "val-core/openai/gsm8k/reward/mean@2" in result["metrics"]

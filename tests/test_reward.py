@@ -61,7 +61,10 @@ def test_scores_for_right_wrong_and_missing_answers():
 
 def test_compute_score_dispatch():
     assert compute_score("openai/gsm8k", "#### 72", "72") == 1.0
-    assert compute_score("synthetic/multiply", "7 * 8 = 56\n\nIn mathematics, multiplication is repeated addition.", "56") == 1.0
+    assert (
+        compute_score("synthetic/multiply", "7 * 8 = 56\n\nIn mathematics, multiplication is repeated addition.", "56")
+        == 1.0
+    )
     assert compute_score("synthetic/multiply", "7 * 8 = 56, or 7 times 8", "56") == 0.0  # the last number counts
     with pytest.raises(ValueError, match="openai/gsm8k") as err:
         compute_score("my/dataset", "#### 72", "72")

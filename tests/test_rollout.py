@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 import rollout
 from loss import logprobs_from_logits
-from rollout import HFEngine, Rollout, VLLMEngine, filter_logits, make_engine
 from models import build_tiny_model
+from rollout import HFEngine, Rollout, VLLMEngine, filter_logits, make_engine
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]
 EOS = 2  # "<eos>" in models.SPECIAL_TOKENS
@@ -126,7 +126,9 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(engine):
     alone = engine.generate([prompt], n=n, max_new_tokens=10, seeds=[42])
     batched = engine.generate([PROMPTS[0], prompt, PROMPTS[2]], n=n, max_new_tokens=10, seeds=[3, 42, 11])
     assert samples_of(batched, 1, n) == alone.response_ids  # prompt-major, same samples
-    torch.testing.assert_close(torch.tensor(sum(batched.logprobs[n : 2 * n], [])), torch.tensor(sum(alone.logprobs, [])))
+    torch.testing.assert_close(
+        torch.tensor(sum(batched.logprobs[n : 2 * n], [])), torch.tensor(sum(alone.logprobs, []))
+    )
     assert len({tuple(s) for s in alone.response_ids}) > 1  # the n samples differ from each other
     other = engine.generate([prompt], n=n, max_new_tokens=10, seeds=[43])
     assert other.response_ids != alone.response_ids  # and another seed gives other samples
@@ -146,7 +148,9 @@ def test_a_rollout_several_times_vllms_step_budget_keeps_per_prompt_seeds(engine
         assert samples_of(out, i, n) == alone.response_ids
         assert sum(out.logprobs[i * n : (i + 1) * n], []) == pytest.approx(sum(alone.logprobs, []), abs=1e-5)
     some = [0, 97, 255]
-    picked = Rollout(sum((samples_of(out, i, n) for i in some), []), sum((out.logprobs[i * n : (i + 1) * n] for i in some), []))
+    picked = Rollout(
+        sum((samples_of(out, i, n) for i in some), []), sum((out.logprobs[i * n : (i + 1) * n] for i in some), [])
+    )
     assert_logprobs_match(picked, ref_model, n, 1.0, prompts=[prompts[i] for i in some])
 
 
@@ -175,7 +179,9 @@ def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
 
     # and back: the module's other tests share this engine
     engine.update_weights((name, p.detach()) for name, p in ref_model.named_parameters())
-    assert_logprobs_match(engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds), ref_model, n, 0.7)
+    assert_logprobs_match(
+        engine.generate(PROMPTS, n=n, temperature=0.7, max_new_tokens=10, seeds=seeds), ref_model, n, 0.7
+    )
 
 
 def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_engine, ref_model, capfd):
@@ -195,7 +201,9 @@ def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_eng
         warned = capfd.readouterr()
     finally:
         handler.setStream(stream)
-    assert synced.out + synced.err == ""  # no "RotaryEmbedding: Failed to load weights", "Reloading ...", "... prefix cache"
+    assert (
+        synced.out + synced.err == ""
+    )  # no "RotaryEmbedding: Failed to load weights", "Reloading ...", "... prefix cache"
     assert "a genuine vLLM warning" in warned.err
     assert "ParallelLMHead: Failed to load weights" in warned.err
 

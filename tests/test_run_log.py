@@ -31,9 +31,17 @@ def test_rollout_metrics_use_verl_names():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float)  # [N=4, R=4]
     scores, advantages = [1.0, 0.0, 1.0, 1.0], torch.tensor([0.7, -0.7, 0.0, 0.0])
     extras = dict(pred=["3", "4", "3", None], acc=[True, False, 1.0, None])
-    m = run_log.rollout_metrics(scores, advantages, mask, [5, 5, 7, 7], [False, False, True, False], extras, group_size=2)
-    assert m["critic/score/mean"] == 0.75 and m["critic/score/min"] == 0.0 and m["critic/advantages/max"] == pytest.approx(0.7)
-    assert m["response_length/mean"] == 2.5 and m["response_length/max"] == 4 and m["response_length/clip_ratio"] == 0.25
+    m = run_log.rollout_metrics(
+        scores, advantages, mask, [5, 5, 7, 7], [False, False, True, False], extras, group_size=2
+    )
+    assert (
+        m["critic/score/mean"] == 0.75
+        and m["critic/score/min"] == 0.0
+        and m["critic/advantages/max"] == pytest.approx(0.7)
+    )
+    assert (
+        m["response_length/mean"] == 2.5 and m["response_length/max"] == 4 and m["response_length/clip_ratio"] == 0.25
+    )
     assert m["prompt_length/mean"] == 6 and m["prompt_length/min"] == 5
     assert m["frac_reward_zero_std"] == 0.5  # the second group scored 1 and 1
     assert m["reward_extra/acc/mean"] == pytest.approx(2 / 3) and "reward_extra/pred/mean" not in m  # numbers only
@@ -48,7 +56,12 @@ def test_loss_metrics_take_every_term_the_loss_reports():
 
 def test_early_stopping_and_the_best_validation():
     metric = "val-core/x/reward/mean@1"
-    history = [dict(step=0, **{metric: 0.2}), dict(step=1), dict(step=2, **{metric: 0.5}), dict(step=4, **{metric: 0.5})]
+    history = [
+        dict(step=0, **{metric: 0.2}),
+        dict(step=1),
+        dict(step=2, **{metric: 0.5}),
+        dict(step=4, **{metric: 0.5}),
+    ]
     assert not run_log.should_stop(history, metric, patience=2) and run_log.should_stop(history, metric, patience=1)
     assert not run_log.should_stop(history, "", patience=1)  # no metric: never
     assert run_log.is_best(history[:3], metric) and not run_log.is_best(history, metric)  # a tie is not better
@@ -63,12 +76,19 @@ def test_run_log_writes_jsonl_tensorboard_and_samples(tmp_path, capsys):
     log.start(dict(lr=0.1), [], start_step=0, total_steps=2)
     log.log(0, {"val-core/x/reward/mean@1": 0.25})
     log.log(1, {"critic/score/mean": 0.5, "actor/pg_loss": 0.1}, histograms={"critic/score": [0.0, 1.0, 1.0]})
-    log.samples("val_step_2.jsonl", 2, [dict(prompt="p", response="r | s", ground_truth="3", score=1.0)], mode="w", table="val/generations")
+    log.samples(
+        "val_step_2.jsonl",
+        2,
+        [dict(prompt="p", response="r | s", ground_truth="3", score=1.0)],
+        mode="w",
+        table="val/generations",
+    )
     log.close()
-    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == log.history == [
-        {"step": 0, "val-core/x/reward/mean@1": 0.25},
-        {"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": 0.1},
-    ]
+    assert (
+        [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+        == log.history
+        == [{"step": 0, "val-core/x/reward/mean@1": 0.25}, {"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": 0.1}]
+    )
     assert json.load(open(tmp_path / "config.json")) == dict(lr=0.1)
     assert json.loads(open(tmp_path / "samples" / "val_step_2.jsonl").read())["response"] == "r | s"
     assert "step 0: val-core/x/reward/mean@1=0.2500" in capsys.readouterr().out  # the console line, above the bar

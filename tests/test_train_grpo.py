@@ -14,12 +14,35 @@ from conftest import check_saved_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a short run of the demo: tiny model, digits task, small batches
-SMALL = ["--max-steps", "2", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "4", "--test-freq", "2", "--val-max-prompts", "16"]
+SMALL = [
+    "--max-steps",
+    "2",
+    "--prompt-batch-size",
+    "8",
+    "--mini-batch-size",
+    "8",
+    "--group-size",
+    "4",
+    "--test-freq",
+    "2",
+    "--val-max-prompts",
+    "16",
+]
 
 
 def train(out_dir, *flags, ranks=1, check=True, env=None):
     """Run train_grpo.py under torchrun; returns the completed process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train_grpo.py", "--out-dir", str(out_dir), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "train_grpo.py",
+        "--out-dir",
+        str(out_dir),
+        *flags,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"train_grpo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -54,8 +77,10 @@ VERL_METRICS = [
     *[f"actor/{k}" for k in ("pg_loss", "kl_loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl", "lr")],
     *[f"timing_s/{k}" for k in ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "step")],
     *[f"perf/{k}" for k in ("throughput", "total_num_tokens", "max_memory_allocated_gb")],
-    "frac_reward_zero_std", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
-]  # fmt: skip
+    "frac_reward_zero_std",
+    "training/rollout_probs_diff_max",
+    "training/rollout_probs_diff_mean",
+]
 
 
 @pytest.mark.slow
@@ -64,7 +89,9 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # validation before training: only validation metrics, the headline among them
-    assert "val-core/synthetic/digits/reward/mean@1" in rows[0] and all(k == "step" or k.startswith("val-") for k in rows[0])
+    assert "val-core/synthetic/digits/reward/mean@1" in rows[0] and all(
+        k == "step" or k.startswith("val-") for k in rows[0]
+    )
     for row in rows[1:]:
         missing = [k for k in VERL_METRICS if k not in row]
         assert not missing, f"metrics.jsonl lacks {missing}"
@@ -101,21 +128,48 @@ def test_one_and_two_ranks_give_the_same_update(vllm_runs):
 
 @pytest.mark.slow
 def test_saved_model_loads_in_transformers_and_vllm_alike(vllm_runs):
-    assert check_saved_model(vllm_runs / "ranks2" / "final_model", [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-4
+    assert (
+        check_saved_model(vllm_runs / "ranks2" / "final_model", [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-4
+    )
 
 
 @pytest.mark.slow
 def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_tensorboard(tmp_path):
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
-    flags = [*SMALL, "--rollout", "hf", "--ppo-epochs", "2", "--mini-batch-size", "4", "--micro-batch-size", "8", "--kl-coef", "0.01", "--tis-cap", "2.0",
-             "--grad-checkpointing", "--lr-schedule", "cosine", "--warmup-steps", "0", "--min-lr-ratio", "0.1",
-             "--val-n", "2", "--val-temperature", "1.0"]  # fmt: skip
+    flags = [
+        *SMALL,
+        "--rollout",
+        "hf",
+        "--ppo-epochs",
+        "2",
+        "--mini-batch-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--kl-coef",
+        "0.01",
+        "--tis-cap",
+        "2.0",
+        "--grad-checkpointing",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "0",
+        "--min-lr-ratio",
+        "0.1",
+        "--val-n",
+        "2",
+        "--val-temperature",
+        "1.0",
+    ]
     loggers = ["--logger", "console,jsonl,wandb,tensorboard", "--wandb-project", "grpo-test"]
     proc = train(tmp_path, *flags, *loggers, ranks=2, env={"WANDB_MODE": "offline"})
     # wandb, offline: a run directory to `wandb sync` later, and our metrics in its summary
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
     assert "Run summary" in proc.stdout + proc.stderr and "actor/grad_norm" in proc.stdout + proc.stderr
-    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json")), "no samples table in wandb"
+    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json")), (
+        "no samples table in wandb"
+    )
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     # two validation samples per prompt: mean@2 headlines, the rest as in verl
@@ -130,14 +184,18 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_te
     # value; histograms of both ranks' 32 samples; the config and the validation samples as text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}).Reload()
+    events = EventAccumulator(
+        str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}
+    ).Reload()
     for row in rows:
         for name, value in row.items():
             if name != "step":
                 logged = {e.step: e.value for e in events.Scalars(name)}
                 assert logged[row["step"]] == pytest.approx(value, rel=1e-6), name
     for name in ("critic/score", "critic/advantages", "response_length"):
-        assert [h.step for h in events.Histograms(name)] == [1, 2] and events.Histograms(name)[0].histogram_value.num == 32
+        assert [h.step for h in events.Histograms(name)] == [1, 2] and events.Histograms(name)[
+            0
+        ].histogram_value.num == 32
     assert {"config/text_summary", "val/generations/text_summary"} <= set(events.Tags()["tensors"])
 
 
@@ -166,7 +224,16 @@ def test_unreadable_and_empty_data(tmp_path):
     import pyarrow.parquet as pq
 
     empty = tmp_path / "empty.parquet"
-    pq.write_table(pa.table({"data_source": pa.array([], pa.string()), "prompt": pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))), "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())]))}), empty)
+    pq.write_table(
+        pa.table(
+            {
+                "data_source": pa.array([], pa.string()),
+                "prompt": pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())])),
+            }
+        ),
+        empty,
+    )
     proc = run_plain(tmp_path, "--train-data", str(empty))
     assert proc.returncode != 0 and "empty.parquet: has no rows" in proc.stderr
 
@@ -178,9 +245,13 @@ def test_a_data_source_without_a_reward_stops_the_run_at_load(tmp_path):
 
     rows = data_prep.task_rows("train", 8, seed=0)
     data_prep.write_parquet(rows + [dict(rows[0], data_source="my/puzzles")], str(tmp_path / "mine.parquet"))
-    proc = run_plain(tmp_path, "--train-data", str(tmp_path / "mine.parquet"), "--prompt-batch-size", "8", "--mini-batch-size", "8")
+    proc = run_plain(
+        tmp_path, "--train-data", str(tmp_path / "mine.parquet"), "--prompt-batch-size", "8", "--mini-batch-size", "8"
+    )
     assert proc.returncode != 0 and "mine.parquet: 1 of 9 rows are invalid" in proc.stderr
-    assert "row 8, field data_source: no built-in reward for 'my/puzzles'" in proc.stderr and "--reward-fn" in proc.stderr
+    assert (
+        "row 8, field data_source: no built-in reward for 'my/puzzles'" in proc.stderr and "--reward-fn" in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
@@ -191,7 +262,20 @@ def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
     rows = data_prep.task_rows("train", 8, seed=0)
     long_row = dict(rows[0], prompt=[{"role": "user", "content": "list " + "1 " * 40 + "last"}])
     data_prep.write_parquet(rows + [long_row] * 3, str(tmp_path / "mixed.parquet"))
-    flags = ["--train-data", str(tmp_path / "mixed.parquet"), "--max-steps", "1", "--prompt-batch-size", "8", "--mini-batch-size", "8", "--group-size", "2", "--test-freq", "-1"]
+    flags = [
+        "--train-data",
+        str(tmp_path / "mixed.parquet"),
+        "--max-steps",
+        "1",
+        "--prompt-batch-size",
+        "8",
+        "--mini-batch-size",
+        "8",
+        "--group-size",
+        "2",
+        "--test-freq",
+        "-1",
+    ]
     proc = run_plain(tmp_path, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train data: dropped 3 of 11 prompts longer than max_prompt_length=32 tokens" in proc.stdout
@@ -203,8 +287,23 @@ def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
 def test_early_stopping_keeps_the_best_policy(tmp_path):
     # lr 0: validation never improves, so patience 1 stops after the first step's validation
     metric = "val-core/synthetic/digits/reward/mean@1"
-    flags = [*SMALL, "--max-steps", "5", "--rollout", "hf", "--lr", "0", "--test-freq", "1", "--save-freq", "-1",
-             "--early-stop-metric", metric, "--early-stop-patience", "1"]  # fmt: skip
+    flags = [
+        *SMALL,
+        "--max-steps",
+        "5",
+        "--rollout",
+        "hf",
+        "--lr",
+        "0",
+        "--test-freq",
+        "1",
+        "--save-freq",
+        "-1",
+        "--early-stop-metric",
+        metric,
+        "--early-stop-patience",
+        "1",
+    ]
     proc = train(tmp_path, *flags)
     assert "early stop at step 1" in proc.stdout + proc.stderr
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1]
@@ -215,7 +314,18 @@ def test_early_stopping_keeps_the_best_policy(tmp_path):
 
 @pytest.mark.slow
 def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
-    flags = [*SMALL, "--max-steps", "1", "--rollout", "hf", "--no-val-before-train", "--test-freq", "-1", "--save-freq", "-1"]
+    flags = [
+        *SMALL,
+        "--max-steps",
+        "1",
+        "--rollout",
+        "hf",
+        "--no-val-before-train",
+        "--test-freq",
+        "-1",
+        "--save-freq",
+        "-1",
+    ]
     train(tmp_path, *flags, "--no-engine-logprobs")
     (row,) = metrics(tmp_path)
     assert "actor/pg_loss" in row and not [k for k in row if k.startswith("training/rollout_")]
@@ -227,7 +337,19 @@ def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
 def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
     warnings and the end-of-run report say so (health.py)."""
-    proc = train(tmp_path, "--lr", "0.05", "--max-steps", "10", "--test-freq", "5", "--val-max-prompts", "64", "--save-freq", "-1")
+    proc = train(
+        tmp_path,
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "10",
+        "--test-freq",
+        "5",
+        "--val-max-prompts",
+        "64",
+        "--save-freq",
+        "-1",
+    )
     assert "health: step" in proc.stdout and "actor/entropy fell" in proc.stdout
     assert "health report:" in proc.stdout and ": problem (" in proc.stdout
     report = (tmp_path / "report" / "report.md").read_text()
