@@ -68,7 +68,7 @@ from run_log import (
 )
 
 # ----------------------------------------------------------------------------------------------
-# Setup: the run directory, the demo's inputs, the data, the policy
+# Setup: the run directory, the demo's inputs, the data, the engine, resuming
 
 
 def claim_run_dir(args, rank):

@@ -191,10 +191,8 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
     data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
     rows, _ = data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer)
     answers = [r["reward_model"]["ground_truth"] for r in rows]
-    eos, other_stop = (
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )  # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
+    # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
+    eos, other_stop = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     class Scripted:
         """Prompt i's first sample is right and ends in EOS, its second wrong and ends in the other stop id."""

@@ -154,14 +154,15 @@ def test_qwen_grpo_on_gsm8k(qwen_runs, run_name):
     rows = metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
-        assert (
-            row["training/rollout_logprob_diff_max"] <= 1e-4
-        )  # the generation config's sampling defaults did not leak
-        assert 0 < row["response_length/clip_ratio"] < 1  # responses end at <|im_end|>, or at 16 tokens
+        # the generation config's sampling defaults did not leak
+        assert row["training/rollout_logprob_diff_max"] <= 1e-4
         assert row["prompt_length/mean"] > 60 and row["actor/kl_loss"] >= 0
-    assert (
-        rows[2]["actor/kl_loss"] > 0
-    )  # the reference is a separate, frozen copy (lr 1e-3 moves the policy measurably)
+    # the model as built: responses end at <|im_end|>, or at 16 tokens. After one update the length
+    # reward has taught it to stop later (at lr 1e-3, all 32 samples can run to 16 tokens)
+    assert 0 < rows[1]["response_length/clip_ratio"] < 1
+    assert rows[2]["response_length/clip_ratio"] > rows[1]["response_length/clip_ratio"]
+    # the reference is a separate, frozen copy (lr 1e-3 moves the policy measurably)
+    assert rows[2]["actor/kl_loss"] > 0
     # the prompts the policy saw: the real chat template, with Qwen's default system prompt
     samples = [json.loads(line) for line in open(run / "samples" / "train.jsonl")]
     assert samples and all(s["prompt"].startswith(QWEN_SYSTEM + "<|im_start|>user\n") for s in samples)

@@ -201,9 +201,8 @@ def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_eng
         warned = capfd.readouterr()
     finally:
         handler.setStream(stream)
-    assert (
-        synced.out + synced.err == ""
-    )  # no "RotaryEmbedding: Failed to load weights", "Reloading ...", "... prefix cache"
+    # no "RotaryEmbedding: Failed to load weights", "Reloading ...", "... prefix cache"
+    assert synced.out + synced.err == ""
     assert "a genuine vLLM warning" in warned.err
     assert "ParallelLMHead: Failed to load weights" in warned.err
 
