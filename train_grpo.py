@@ -311,6 +311,10 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
 
 def main():
     args = parse_args()
+    if not args.verbose:  # transformers' loading and saving bars would break ours
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
     rank, world, device = init_distributed()
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -330,10 +334,7 @@ def main():
     config = dataclasses.asdict(args)
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
     from transformers import AutoTokenizer
-    from transformers.utils import logging as transformers_logging
 
-    if not args.verbose:  # its loading and saving bars would break ours
-        transformers_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except OSError as e:

@@ -100,6 +100,9 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     log_text = (vllm_runs / "ranks1.log").read_text()
     assert "demo: the tiny model learns from scratch" in log_text
     assert "validation samples, step 0:" in log_text and "ground_truth" in log_text  # the sample table
+    # a quiet console: none of vLLM's INFO lines, at start-up or at each weight sync
+    assert " INFO " not in log_text and "Reloading and processing weights" not in log_text
+    assert "RotaryEmbedding: Failed to load weights" not in log_text and "prefix cache" not in log_text
     config = json.load(open(run / "config.json"))
     assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
     assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
