@@ -17,30 +17,8 @@ import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 short steps on the transformers engine (fast to start), a checkpoint after every step
-RUN = [
-    "--max-steps",
-    "4",
-    "--prompt-batch-size",
-    "8",
-    "--mini-batch-size",
-    "8",
-    "--group-size",
-    "4",
-    "--test-freq",
-    "2",
-    "--val-max-prompts",
-    "16",
-    "--save-freq",
-    "1",
-]
-COMPARED = [
-    "critic/score/mean",
-    "actor/pg_loss",
-    "actor/grad_norm",
-    "actor/entropy",
-    "response_length/mean",
-    "actor/lr",
-]
+RUN = "--max-steps 4 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --test-freq 2 --val-max-prompts 16 --save-freq 1".split()
+COMPARED = [*"critic/score/mean actor/pg_loss actor/grad_norm actor/entropy response_length/mean actor/lr".split()]
 
 
 def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf"):
@@ -266,12 +244,7 @@ def attempt(out_dir, *flags):
     """A run that may be refused: its CompletedProcess, whatever the exit code."""
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        "train_grpo.py",
-        "--out-dir",
+        *"-m torch.distributed.run --standalone --nproc_per_node=1 train_grpo.py --out-dir".split(),
         str(out_dir),
         "--rollout",
         "hf",
@@ -319,21 +292,9 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
     run = tmp_path / "run"
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        "train_grpo.py",
-        "--out-dir",
+        *"-m torch.distributed.run --standalone --nproc_per_node=1 train_grpo.py --out-dir".split(),
         str(run),
-        "--rollout",
-        "hf",
-        "--max-steps",
-        "1000",
-        "--test-freq",
-        "-1",
-        "--save-freq",
-        "-1",
+        *"--rollout hf --max-steps 1000 --test-freq -1 --save-freq -1".split(),
     ]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -107,10 +107,7 @@ def saved(tmp_path_factory):
     (root / "save_and_load.py").write_text(SAVE_AND_LOAD)
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
+        *"-m torch.distributed.run --standalone --nproc_per_node=2".split(),
         str(root / "save_and_load.py"),
         model_dir,
         str(root),

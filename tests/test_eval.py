@@ -90,12 +90,7 @@ def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
         model,
         "--data",
         str(root / "data" / "test.parquet"),
-        "--temperature",
-        "1.0",
-        "--max-new-tokens",
-        "4",
-        "--rollout",
-        "vllm",
+        *"--temperature 1.0 --max-new-tokens 4 --rollout vllm".split(),
     ]
     one = subprocess.run(
         [sys.executable, "eval.py", *args, "--n", "4", "--out", str(root / "one.json")],
@@ -109,11 +104,7 @@ def test_standalone_eval_on_one_and_two_ranks_agree(tiny_eval_setup):
     two = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "eval.py",
+            *"-m torch.distributed.run --standalone --nproc_per_node=2 eval.py".split(),
             *args,
             "--samples",
             "4",
@@ -141,11 +132,7 @@ def test_standalone_eval_caps_responses_at_the_models_context(tiny_eval_setup):
         model,
         "--data",
         str(root / "data" / "test.parquet"),
-        "--max-prompts",
-        "2",
-        "--rollout",
-        "hf",
-        "--out",
+        *"--max-prompts 2 --rollout hf --out".split(),
         str(root / "cap.json"),
     ]
     proc = subprocess.run([sys.executable, "eval.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
