@@ -2,6 +2,8 @@
 
 Each prompt is sampled n times; a sample's advantage is how much better its reward is than its
 siblings'. No value network is needed: the group mean is the baseline.
+compute_advantages also offers two of verl's other outcome-reward estimators: RLOO and
+REINFORCE++ with a group baseline.
 """
 
 import torch
@@ -46,3 +48,105 @@ def zero_std_fraction(scores, group_size):
     """Share of groups whose rewards are all equal (they carry no learning signal)."""
     groups = torch.as_tensor(scores, dtype=torch.float32).view(-1, group_size)
     return (groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Other outcome-reward estimators, as verl defines them (verl/trainer/ppo/core_algos.py)
+
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def compute_advantages(
+    scores, group_size, estimator="grpo", norm_by_std=True, response_mask=None, eps=1e-6, total=None
+):
+    """Advantages from per-sample scores [B*n] by one of verl's outcome estimators (ADV_ESTIMATORS).
+
+      grpo                          -> [B*n]     grpo_advantages(scores, group_size, norm_by_std, eps)
+      rloo                          -> [B*n]     rloo_advantages(scores, group_size)
+      reinforce_plus_plus_baseline  -> [B*n, T]  reinforce_pp_baseline_advantages(scores, group_size, response_mask)
+
+    The [B*n] ones are broadcast over the response tokens by the caller (A[:, None] * response_mask);
+    REINFORCE++-baseline already returns per-token advantages [B*n, T], masked, because its whitening
+    is over tokens. As in verl, only grpo reads `norm_by_std` and `eps` (verl's norm_adv_by_std_in_grpo
+    and epsilon); the other two ignore them. `total`: see masked_whiten.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(scores, group_size, norm_by_std=norm_by_std, eps=eps)
+    if estimator == "rloo":
+        return rloo_advantages(scores, group_size)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_pp_baseline_advantages(scores, group_size, response_mask, total)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ADV_ESTIMATORS)}")
+
+
+def _groups(scores, group_size):
+    """scores [B*n] -> [B, n] fp32, with the same shape check as grpo_advantages."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    if scores.dim() != 1 or scores.numel() % group_size != 0:
+        raise ValueError(
+            f"scores must be 1-D with a multiple of group_size={group_size} entries, got shape {tuple(scores.shape)}"
+        )
+    return scores.view(-1, group_size)
+
+
+def rloo_advantages(scores, group_size):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024), [B*n] -> [B*n] fp32. Per group of n:
+
+        A_i = r_i - mean_{j != i} r_j  =  r_i * n / (n - 1) - mean(r) * n / (n - 1)
+
+    computed in the second form, verl's (compute_rloo_outcome_advantage). No std scaling.
+    A group of size 1 has no others to leave out: verl's loop then keeps A = r (no baseline),
+    and so do we. (verl's rloo_vectorized gives 0 there instead; we follow the default "rloo".)
+    """
+    groups = _groups(scores, group_size)  # [B, n]
+    n = group_size
+    if n == 1:
+        return groups.reshape(-1).clone()
+    mean = groups.mean(dim=1, keepdim=True)  # [B, 1]
+    return (groups * n / (n - 1) - mean * n / (n - 1)).reshape(-1)
+
+
+def masked_whiten(values, mask, total=None):
+    """(x - mean) / sqrt(var + 1e-8) over the unmasked entries of the whole tensor, as verl's
+    masked_whiten with its default shift_mean=True (the mean is not added back):
+
+        mean = sum(x m) / (sum(m) + 1e-8)
+        var  = sum((x - mean)^2 m) / (sum(m) + 1e-8) * sum(m) / (sum(m) - 1)    (unbiased)
+
+    Like verl, fewer than 2 unmasked entries is an error (the unbiased variance divides by 0).
+    Masked entries come back whitened too (not zero): multiply by the mask afterwards.
+    `total` sums a 0-d tensor over every rank (the trainer passes an all-reduce), so that each rank
+    whitens its share with the whole batch's statistics; None: this tensor is the whole batch.
+    """
+    total = total or (lambda t: t)
+    count = total(mask.sum())
+    if count < 2:
+        raise ValueError(f"masked_whiten needs at least 2 unmasked entries, got {int(count)}; use a larger batch")
+    mean = total((values * mask).sum()) / (count + 1e-8)
+    var = total(((values - mean).square() * mask).sum()) / (count + 1e-8) * count / (count - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def reinforce_pp_baseline_advantages(scores, group_size, response_mask, total=None):
+    """REINFORCE++ with a group baseline (Hu et al. 2025), per token: [B*n], [B*n, T] -> [B*n, T] fp32.
+
+        A_i    = r_i - mean(group of i)                (a group of size 1 uses mean 0, like verl)
+        A_it   = A_i * m_it                            broadcast over the response tokens
+        A_it  <- masked_whiten(A_it, m) * m_it         mean and unbiased std over every unmasked
+                                                       token of the batch, eps 1e-8 inside the sqrt
+
+    As verl's compute_reinforce_plus_plus_baseline_outcome_advantage: the whitening statistics are
+    over tokens, so a long response weighs more in them than a short one, and they are over the
+    whole batch: pass `total` (masked_whiten) when each rank holds a share of it.
+    """
+    if response_mask is None:
+        raise ValueError(
+            "estimator 'reinforce_plus_plus_baseline' needs response_mask [B*n, T]: its advantages are whitened over tokens"
+        )
+    groups = _groups(scores, group_size)  # [B, n]
+    mask = torch.as_tensor(response_mask).to(torch.float32)  # [B*n, T]
+    if mask.dim() != 2 or mask.shape[0] != groups.numel():
+        raise ValueError(f"response_mask must be [{groups.numel()}, T] (one row per score), got {tuple(mask.shape)}")
+    mean = torch.zeros_like(groups) if group_size == 1 else groups.mean(dim=1, keepdim=True)  # [B, 1]
+    adv = (groups - mean).reshape(-1, 1) * mask  # [B*n, T]
+    return masked_whiten(adv, mask, total) * mask

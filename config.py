@@ -18,7 +18,8 @@ import textwrap
 from dataclasses import dataclass
 
 import health
-from loss import AGG_MODES, KL_KINDS
+from advantage import ADV_ESTIMATORS
+from loss import AGG_MODES, KL_KINDS, LOSS_MODES
 
 
 @dataclass
@@ -102,6 +103,26 @@ class Args:
     """Divide advantages by the group std (GRPO); off: Dr. GRPO."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap), cap >= 1; 0: off."""
+    # --- the GRPO family: what verl and TRL users switch between (README: "Recipes")
+    adv_estimator: str = "grpo"
+    """Advantages (verl's algorithm.adv_estimator): grpo, rloo (leave-one-out baseline) or
+    reinforce_plus_plus_baseline (group baseline, whitened over the batch's tokens)."""
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla (PPO's clipped surrogate per token) or gspo (one ratio per sequence; give it its own
+    clip range, e.g. --clip-low 3e-4 --clip-high 4e-4, and it aggregates with seq-mean-token-mean)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the step
+    holds --prompt-batch-size informative groups."""
+    max_gen_batches: int = 10
+    """With --filter-groups: at most this many rollouts per step; then the step trains on what it has, topped up
+    with uninformative groups, and says so (filter/*)."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment: a response within this many tokens of --max-response-length loses up to
+    --overlong-penalty-factor, linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """The most a response at --max-response-length loses to the overlong punishment."""
+    mask_truncated: bool = False
+    """Truncated responses count for nothing in the loss (TRL's mask_truncated_completions)."""
     engine_logprobs: bool = True
     """Have the engine return each sampled token's log-prob, for the engine-vs-trainer gap
     (training/rollout_*) and --tis-cap. Off: vLLM generation takes about a fifth less time on CPU; no gap metrics."""
@@ -181,7 +202,12 @@ def field_docs(cls):
 # Flags with a fixed set of values: exactly those the code consumes (rollout.make_engine,
 # train_grpo.lr_factor, loss.agg_loss, loss.kl_penalty). --help lists them; argparse refuses anything else.
 CHOICES = dict(
-    rollout=("auto", "vllm", "hf"), lr_schedule=("constant", "cosine"), loss_agg=AGG_MODES, kl_kind=tuple(KL_KINDS)
+    adv_estimator=ADV_ESTIMATORS,
+    loss_mode=LOSS_MODES,
+    rollout=("auto", "vllm", "hf"),
+    lr_schedule=("constant", "cosine"),
+    loss_agg=AGG_MODES,
+    kl_kind=tuple(KL_KINDS),
 )
 
 
@@ -261,6 +287,13 @@ def check_args(args, world=1):
             f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}",
         ),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        # ---- the GRPO family
+        (a.max_gen_batches >= 1, f"--max-gen-batches must be >= 1, got {a.max_gen_batches}"),
+        (
+            0 <= a.overlong_buffer_len < a.max_response_length or a.overlong_buffer_len == 0,
+            f"--overlong-buffer-len must be in [0, --max-response-length ({a.max_response_length})), got {a.overlong_buffer_len}",
+        ),
+        (a.overlong_penalty_factor >= 0, f"--overlong-penalty-factor must be >= 0, got {a.overlong_penalty_factor}"),
         # ---- what the trainer splits: each rank takes prompt_batch_size / world prompts and
         # mini_batch_size / world of them per optimizer step (so world | mini | prompt)
         (

@@ -180,6 +180,8 @@ def agg_denominator(mask, mode):
 # ----------------------------------------------------------------------------------------------
 # The clipped surrogate
 
+LOSS_MODES = ("vanilla", "gspo")
+
 
 def policy_loss(
     logp,
@@ -192,8 +194,10 @@ def policy_loss(
     agg="token-mean",
     rollout_is_weights=None,
     norm_len=None,
+    mode="vanilla",
 ):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
+    mode="gspo" computes gspo_policy_loss instead (see there; it ignores clip_c, agg and norm_len).
 
       ratio   = exp(clamp(logp - old_logp, -20, 20))
       l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
@@ -209,6 +213,10 @@ def policy_loss(
       pg_clipfrac_lower  share of tokens with A < 0 where the dual clip bound applied
       ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new))
     """
+    if mode == "gspo":
+        return gspo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, rollout_is_weights)
+    if mode != "vanilla":
+        raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
     if clip_c <= 1.0:
         raise ValueError(f"clip_c must be > 1.0 for the dual clip to bound anything, got {clip_c}")
     log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
@@ -231,3 +239,50 @@ def policy_loss(
             "ppo_kl": masked_mean(-log_ratio, mask_f),
         }
     return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+
+
+GSPO_AGG = "seq-mean-token-mean"  # what gspo_policy_loss always aggregates with (weight micro-batches by it)
+
+
+def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, rollout_is_weights=None):
+    """GSPO (Zheng et al. 2025): the clipped surrogate on a per-sequence ratio, as verl's
+    compute_policy_loss_gspo. All inputs [B, T].
+
+      log s_i  = sum_t (logp_it - old_logp_it) m_it / max(sum_t m_it, 1)      length-normalized seq ratio
+      log s_it = min(logp_it - sg(logp_it) + sg(log s_i), 10)                  sg = stop-gradient (detach)
+      l_it     = max(-A_it * s_it, -A_it * clamp(s_it, 1 - clip_low, 1 + clip_high))
+      loss     = agg_loss(l * w, mask, "seq-mean-token-mean")                  w = rollout_is_weights, or 1
+
+    s_it has the value s_i (the same for every token of sequence i), and its gradient is
+    s_i * grad(logp_it): the sequence ratio weights each token's policy gradient, and a sequence
+    whose clipped term wins (s_i past the clip range on the side A favours) gives no gradient. GSPO's clip range is far narrower than PPO's (the paper uses
+    3e-4 / 4e-4): pass it as clip_low / clip_high.
+
+    What we matched in verl: no dual clip (clip_c is not used); log s_it is clamped from above only,
+    at 10, and logp - old_logp is not clamped at +-20 as in the vanilla loss; the aggregation is
+    always seq-mean-token-mean (GSPO_AGG), whatever the caller's agg; rollout_is_weights multiply the
+    per-token loss before aggregation.
+
+    Returns (loss, metrics), with verl's definitions (masked token means, detached):
+      pg_clipfrac        share of tokens where the clipped term is the larger one
+      pg_clipfrac_lower  0 (there is no dual clip; kept so the logged keys do not change)
+      ppo_kl             mean of old_logp - logp, per token, not clamped
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    seq_log_ratio = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)  # [B], log s_i
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]  # [B, T], value log s_i
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))  # [B, T]
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(mask_f.dtype), mask_f),
+            "pg_clipfrac_lower": torch.zeros((), dtype=mask_f.dtype, device=mask_f.device),
+            "ppo_kl": masked_mean(-log_ratio, mask_f),
+        }
+    return agg_loss(loss_mat, mask_f, GSPO_AGG), metrics

@@ -205,3 +205,27 @@ def response_text(tokenizer, ids, eos_ids):
     if ids and ids[-1] in eos_ids:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO's soft overlong punishment
+
+
+def overlong_penalty(response_lengths, max_response_length, buffer_len, penalty_factor):
+    """A reward penalty <= 0 per response for running into the last `buffer_len` tokens of the
+    length budget (DAPO, Yu et al. 2025, as verl's DAPORewardManager adds it to the score):
+
+        expected_len = max_response_length - buffer_len
+        exceed       = length - expected_len
+        penalty      = min(-exceed / buffer_len * penalty_factor, 0)
+
+    0 up to expected_len, then linear down to -penalty_factor at max_response_length. As in verl,
+    `length` counts every response token including the final EOS (verl sums the response's
+    attention mask), and the penalty is not bounded below for lengths past max_response_length.
+    """
+    if not 0 < buffer_len <= max_response_length:
+        raise ValueError(
+            f"overlong buffer_len must be in (0, max_response_length={max_response_length}], got {buffer_len}"
+        )
+    expected_len = max_response_length - buffer_len
+    return [min(-(length - expected_len) / buffer_len * penalty_factor, 0.0) for length in response_lengths]

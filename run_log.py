@@ -239,7 +239,7 @@ class RunLog:
 
 @contextmanager
 def timed(timing, name):
-    """with timed(timing, "gen"): ...  records the block's wall time in seconds as timing["gen"]."""
+    """with timed(timing, "gen"): ...  adds the block's wall time in seconds to timing["gen"]."""
     start = time.perf_counter()
     yield
-    timing[name] = time.perf_counter() - start
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start

@@ -38,11 +38,11 @@ import torch.distributed as dist
 import checkpoint
 import data_prep
 import health
-from advantage import grpo_advantages
+from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args
-from distributed import all_sum, init_distributed, print0, reduce_metrics
+from distributed import all_gather, all_sum, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
-from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from loss import GSPO_AGG, agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 from policy import (
     compute_logprobs,
     load_policy,
@@ -53,8 +53,8 @@ from policy import (
     sync_weights,
     window,
 )
-from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, response_text, score_rows
-from rollout import check_model_path, make_engine, sampling_seeds, stop_token_ids
+from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, overlong_penalty, response_text, score_rows
+from rollout import Rollout, check_model_path, make_engine, sampling_seeds, stop_token_ids
 from run_log import (
     RunLog,
     engine_gap_metrics,
@@ -79,9 +79,8 @@ def claim_run_dir(args, rank):
     if rank == 0:
         try:
             lock = checkpoint.lock_run_dir(args.out_dir)
-            decision[0] = checkpoint.check_run_dir(
-                args.out_dir, args.resume, dataclasses.asdict(args), allowed_changes(args)
-            )
+            config, allowed = dataclasses.asdict(args), allowed_changes(args)
+            decision[0] = checkpoint.check_run_dir(args.out_dir, args.resume, config, allowed)
         except SystemExit as e:
             decision[1] = str(e)
     dist.broadcast_object_list(decision, src=0)
@@ -185,33 +184,73 @@ def resume(path, args, policy, optimizer, scheduler, total_steps):
 # One step's pieces: prompts, validation, the loss, the update
 
 
-def step_prompts(train_rows, step, args, rank, world):
-    """This rank's prompts at `step` (from 1): its share of a global batch, in an order shuffled by
-    (seed, epoch), so resuming needs nothing saved. Returns (rows, the place of this rank's first
-    prompt in the epoch, the epoch)."""
+def step_prompts(train_rows, step, batch, args, rank, world):
+    """This rank's prompts in generation batch `batch` (0, then 1, 2, ... with --filter-groups) of
+    `step` (from 1): its share of a global batch. Batch 0 walks the epoch in an order shuffled by
+    (seed, epoch), so resuming needs nothing saved; further batches draw prompts from a shuffle seeded
+    by (seed, step, batch). Returns (indices into train_rows, the place of this rank's first prompt)."""
     epoch, index_in_epoch = divmod(step - 1, len(train_rows) // args.prompt_batch_size)
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+    seed = args.seed + epoch if batch == 0 else args.seed * 1_000_003 + step * 1_009 + batch
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed)).tolist()
     local = args.prompt_batch_size // world
-    first = index_in_epoch * args.prompt_batch_size + rank * local
-    return [train_rows[i] for i in order[first : first + local]], first, epoch
+    first = (index_in_epoch if batch == 0 else 0) * args.prompt_batch_size + rank * local
+    return order[first : first + local], rank * local
+
+
+def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward_fn, eos_ids, timing):
+    """This step's samples on this rank: n responses to each of its prompts, seeded by the prompt's
+    place in the global batch, their texts and rewards (with the overlong punishment, if on).
+
+    With --filter-groups (DAPO's dynamic sampling), groups whose rewards are all equal are dropped and
+    further batches of prompts are generated until prompt_batch_size informative groups are held, or
+    --max-gen-batches ran out: then uninformative groups top the batch up (the step trains on what it
+    has; filter/* says so). The groups are dealt out to the ranks in their global order, so 1 and 2
+    ranks train on the same ones. Returns (rows, Rollout, texts, scores, extras, filter metrics)."""
+    n, local, pool = args.group_size, args.prompt_batch_size // world, {}
+    for batch in range(args.max_gen_batches if args.filter_groups else 1):
+        indices, first = step_prompts(train_rows, step, batch, args, rank, world)
+        rows = [train_rows[i] for i in indices]
+        with timed(timing, "gen"):
+            engine.wake_up()
+            kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
+            seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
+            prompts, max_new = [r["prompt_ids"] for r in rows], args.max_response_length
+            out = engine.generate(prompts, n=n, max_new_tokens=max_new, seeds=seeds, **kw)
+            engine.sleep()
+        with timed(timing, "reward"):
+            samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
+            texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
+            scores, extras = score_rows(reward_fn, samples, texts, first=(step * args.prompt_batch_size + first) * n)
+            if args.overlong_buffer_len > 0:  # DAPO: long responses lose up to the factor, linearly
+                limits = (args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor)
+                extras["overlong_penalty"] = overlong_penalty([len(ids) for ids in out.response_ids], *limits)
+                scores = [s + p for s, p in zip(scores, extras["overlong_penalty"])]
+        if not args.filter_groups:
+            return rows, out, texts, scores, extras, {}
+        # every rank's samples, as columns in global order, added to those of earlier batches
+        mine = dict(row=[i for i in indices for _ in range(n)], ids=out.response_ids, text=texts, score=scores)
+        mine.update(truncated=out.truncated, logp=out.logprobs or [[]] * len(texts))
+        mine.update({"extra/" + k: v for k, v in extras.items()})
+        pool = {k: pool.get(k, []) + sum((part[k] for part in all_gather(mine)), []) for k in mine}
+        groups = [pool["score"][g : g + n] for g in range(0, len(pool["score"]), n)]
+        informative = [g for g, group in enumerate(groups) if len(set(group)) > 1]
+        if len(informative) >= args.prompt_batch_size:
+            break
+    uninformative = [g for g in range(len(groups)) if g not in set(informative)]
+    chosen = (informative + uninformative)[: args.prompt_batch_size][rank * local : (rank + 1) * local]
+    mine = {k: [v[g * n + j] for g in chosen for j in range(n)] for k, v in pool.items()}  # this rank's share
+    out = Rollout(mine["ids"], mine["logp"] if args.engine_logprobs else [], mine["truncated"])
+    extras = {k.removeprefix("extra/"): v for k, v in mine.items() if k.startswith("extra/")}
+    metrics = {"filter/kept_groups": min(len(informative), args.prompt_batch_size)}
+    metrics.update({"filter/dropped_groups": len(uninformative), "filter/gen_batches": batch + 1})
+    return [train_rows[i] for i in mine["row"][::n]], out, mine["text"], mine["score"], extras, metrics
 
 
 def run_validation(step, engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, log):
     """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
     engine.wake_up()
-    metrics, samples = validate(
-        engine,
-        val_rows,
-        tokenizer,
-        reward_fn,
-        eos_ids,
-        n=args.val_n,
-        temperature=args.val_temperature,
-        max_new_tokens=args.max_response_length,
-        seed=args.seed,
-        rank=rank,
-        world=world,
-    )
+    kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
+    metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
     engine.sleep()
     log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
     if step == 0:  # once, so the console shows what the prompts and responses look like
@@ -230,10 +269,10 @@ def keep_best(history, args, policy, tokenizer, rank):
         save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank)
 
 
-def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_logp, args, device):
+def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_logp, agg, args, device):
     """The loss of one micro-batch (`view`: policy.window of the batch at `rows`): the clipped
-    surrogate, + kl_coef x the KL to the reference, - entropy_coef x the entropy, each aggregated
-    by --loss-agg. Returns (loss, {name: number} of every term for the log, old log-probs [b, r])."""
+    surrogate (--loss-mode), + kl_coef x the KL to the reference, - entropy_coef x the entropy, each
+    aggregated by `agg`. Returns (loss, {name: number} of every term for the log, old log-probs [b, r])."""
     m, r = view["response_mask"].to(device), view["responses"].shape[1]  # [b, r]
     logits = response_logits(policy, view, device)  # [b, r, V]
     logp = logprobs_from_logits(logits, view["responses"].to(device), args.temperature)  # [b, r]
@@ -241,26 +280,16 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     is_weights = None
     if args.tis_cap > 0:  # truncated importance sampling: the engine sampled, the trainer scores
         is_weights = torch.exp(old - engine_logp[rows, :r].to(device)).clamp(max=args.tis_cap) * m
+    adv, norm_len = adv_tokens[rows, :r].to(device), args.max_response_length  # [b, r]
     pg_loss, pg_metrics = policy_loss(
-        logp,
-        old,
-        adv_tokens[rows, :r].to(device),
-        m,
-        args.clip_low,
-        args.clip_high,
-        args.clip_c,
-        args.loss_agg,
-        rollout_is_weights=is_weights,
-        norm_len=args.max_response_length,
+        logp, old, adv, m, args.clip_low, args.clip_high, args.clip_c, agg, is_weights, norm_len, mode=args.loss_mode
     )
     loss, kl_loss = pg_loss, torch.zeros(())
     if ref_logp is not None:
-        kl_loss = agg_loss(
-            kl_penalty(logp, ref_logp[rows, :r].to(device), args.kl_kind), m, args.loss_agg, args.max_response_length
-        )
+        kl_loss = agg_loss(kl_penalty(logp, ref_logp[rows, :r].to(device), args.kl_kind), m, agg, norm_len)
         loss = loss + args.kl_coef * kl_loss
     with torch.set_grad_enabled(args.entropy_coef > 0):
-        entropy = agg_loss(entropy_from_logits(logits), m, args.loss_agg, args.max_response_length)
+        entropy = agg_loss(entropy_from_logits(logits), m, agg, norm_len)
     if args.entropy_coef > 0:
         loss = loss - args.entropy_coef * entropy
     terms = dict(pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, policy_loss=loss, **pg_metrics)
@@ -272,6 +301,7 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
     Returns (stats: each micro-batch's loss terms, grad_norm on each mini-batch's last; the
     trainer's log-probs of the sampled tokens [N, R]; how many optimizer steps were skipped)."""
     mask = batch["response_mask"]  # [N, R]
+    agg = GSPO_AGG if args.loss_mode == "gspo" else args.loss_agg  # GSPO's loss is a mean over sequences
     mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
     stats, trainer_logp, skipped = [], torch.zeros_like(mask), 0
     policy.train()
@@ -280,17 +310,17 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
             rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
             # each micro-batch's loss is weighted so the summed gradient is agg_loss over the whole
             # global mini-batch; FSDP averages gradients over ranks, hence the * world
-            whole = agg_denominator(mask[rows], args.loss_agg)
+            whole = agg_denominator(mask[rows], agg)
             whole = None if whole is None else all_sum(whole, device)
             optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
                 view = window(batch, mb)  # only the columns these rows use
                 loss, terms, old = micro_batch_loss(
-                    policy, view, mb, adv_tokens, old_logp, ref_logp, engine_logp, args, device
+                    policy, view, mb, adv_tokens, old_logp, ref_logp, engine_logp, agg, args, device
                 )
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
                     trainer_logp[mb, : old.shape[1]] = old.float().cpu()
-                piece = agg_denominator(view["response_mask"], args.loss_agg)
+                piece = agg_denominator(view["response_mask"], agg)
                 (loss * (world if whole is None else piece / max(whole, 1) * world)).backward()
                 checkpoint.crash_point("update", step)
                 stats.append(terms)
@@ -357,9 +387,9 @@ def main():
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
-    checkpointer = (
-        checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
-    )
+    checkpointer = None
+    if args.save_freq > 0:
+        checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save)
     start_step, history = 0, []
     if resume_from:
         start_step, history = resume(resume_from, args, policy, optimizer, scheduler, total_steps)
@@ -376,35 +406,22 @@ def main():
     stop = False
     for step in range(start_step + 1, total_steps + 1):
         timing, t_step = {}, time.perf_counter()
-        rows, first, epoch = step_prompts(train_rows, step, args, rank, world)
+        epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
 
-        # ---- rollout: n responses per prompt, seeded by the prompt's place in the global batch
-        with timed(timing, "gen"):
-            engine.wake_up()
-            out = engine.generate(
-                [r["prompt_ids"] for r in rows],
-                n=args.group_size,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                max_new_tokens=args.max_response_length,
-                logprobs=args.engine_logprobs,
-                seeds=sampling_seeds(args.seed, step, rank * (args.prompt_batch_size // world), len(rows)),
-            )
-            engine.sleep()
+        # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ)
+        groups = collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward_fn, eos_ids, timing)
+        rows, out, texts, scores, extras, filter_metrics = groups
         checkpoint.crash_point("rollout", step)
         samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
-        # ---- reward
-        with timed(timing, "reward"):
-            texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-            scores, extras = score_rows(reward_fn, samples, texts, first=first * args.group_size)
-
-        # ---- advantages: each prompt's group lives on one rank, so this is local
-        advantages = grpo_advantages(scores, args.group_size, norm_by_std=args.norm_adv_by_std)  # [N]
+        # ---- advantages: each prompt's group lives on one rank (REINFORCE++ whitens over all ranks' tokens)
         batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id)
         mask = batch["response_mask"]  # [N, R]
-        adv_tokens = advantages[:, None] * mask  # [N, R]
+        estimator = (args.group_size, args.adv_estimator, args.norm_adv_by_std)  # [N], or [N, R] for REINFORCE++
+        advantages = compute_advantages(scores, *estimator, mask, total=lambda t: torch.tensor(all_sum(t, device)))
+        adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
+        if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
+            batch["response_mask"] = mask * ~torch.tensor(out.truncated)[:, None]
         engine_logp = torch.zeros_like(mask)  # [N, R]
         for i, lp in enumerate(out.logprobs):
             engine_logp[i, : len(lp)] = torch.tensor(lp)
@@ -430,8 +447,9 @@ def main():
 
         # ---- metrics, verl's names, reduced over ranks
         prompt_lens = [len(r["prompt_ids"]) for r in samples]
-        metrics = {"actor/lr": lr, **loss_metrics(stats, device)}
-        metrics.update(rollout_metrics(scores, advantages, mask, prompt_lens, out.truncated, extras, args.group_size))
+        metrics = {"actor/lr": lr, **loss_metrics(stats, device), **filter_metrics}
+        adv_values = advantages[mask.bool()] if advantages.dim() == 2 else advantages  # per token, or per sample
+        metrics.update(rollout_metrics(scores, adv_values, mask, prompt_lens, out.truncated, extras, args.group_size))
         if skipped:
             metrics["actor/skipped_updates"] = skipped
         if args.engine_logprobs:
@@ -449,12 +467,8 @@ def main():
             with timed(timing, "testing"):
                 metrics.update(run_validation(step, *validation))
             metrics["timing_s/testing"] = timing["testing"]
-        lengths = mask.sum(-1).tolist()
-        log.log(
-            step,
-            metrics,
-            {"critic/score": scores, "critic/advantages": advantages.tolist(), "response_length": lengths},
-        )
+        histograms = {"critic/score": scores, "critic/advantages": adv_values.tolist()}
+        log.log(step, metrics, histograms | {"response_length": mask.sum(-1).tolist()})
         if any(k.startswith("val-") for k in metrics):
             keep_best(log.history, args, policy, tokenizer, rank)
         first_group = slice(0, args.group_size)  # the first prompt's samples, for the reader

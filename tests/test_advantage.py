@@ -1,4 +1,4 @@
-"""advantage.py: hand-computed groups, verl's edge cases, and invariances."""
+"""advantage.py: hand-computed groups, verl's edge cases, and invariances, for every estimator."""
 
 import math
 from collections import defaultdict
@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from advantage import grpo_advantages, zero_std_fraction
+from advantage import ADV_ESTIMATORS, compute_advantages, grpo_advantages, zero_std_fraction
 
 
 def test_hand_computed_group():
@@ -68,3 +68,114 @@ def test_matches_verl_loop_and_invariances():
 def test_bad_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="group_size=4"):
         grpo_advantages([1.0, 2.0, 3.0], group_size=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# compute_advantages: RLOO and REINFORCE++-baseline
+
+
+def test_grpo_estimator_is_grpo_advantages():
+    scores = [1.0, 0.0, 0.0, 1.0, 2.0, 5.0]
+    torch.testing.assert_close(compute_advantages(scores, 3), grpo_advantages(scores, 3), rtol=0, atol=0)
+    torch.testing.assert_close(
+        compute_advantages(scores, 3, norm_by_std=False), grpo_advantages(scores, 3, norm_by_std=False)
+    )
+
+
+def test_rloo_hand_computed():
+    adv = compute_advantages([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 2.0], group_size=4, estimator="rloo")
+    # first group: 1 - (0 + 0 + 1) / 3 = 2/3,  0 - (1 + 0 + 1) / 3 = -2/3
+    # second group: 3 - (1 + 2 + 2) / 3 = 4/3,  1 - 7/3 = -4/3,  2 - 6/3 = 0
+    expected = torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 4 / 3, -4 / 3, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected)
+    # norm_by_std and eps are GRPO's options: RLOO ignores them, as in verl
+    torch.testing.assert_close(compute_advantages([1.0, 0.0], 2, "rloo", norm_by_std=False), torch.tensor([1.0, -1.0]))
+
+
+def test_rloo_group_of_one_keeps_the_reward():
+    # verl's compute_rloo_outcome_advantage leaves a lone sample's score as its advantage
+    adv = compute_advantages([2.0, -1.0, 0.5], group_size=1, estimator="rloo")
+    torch.testing.assert_close(adv, torch.tensor([2.0, -1.0, 0.5]))
+
+
+def test_rloo_matches_leave_one_out_loop():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 4, (6 * 5,), generator=g).float()
+    expected = []
+    for i, s in enumerate(scores.tolist()):
+        start = i // 5 * 5
+        others = [scores[j].item() for j in range(start, start + 5) if j != i]
+        expected.append(s - sum(others) / len(others))
+    torch.testing.assert_close(compute_advantages(scores, 5, "rloo"), torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    # group means: (1 + 0) / 2 and (2 + 2) / 2 -> per-sample advantages 0.5, -0.5, 0, 0
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
+    adv = compute_advantages([1.0, 0.0, 2.0, 2.0], 2, "reinforce_plus_plus_baseline", response_mask=mask)
+    # the 7 unmasked tokens hold 0.5, 0.5, -0.5, 0, 0, 0, 0: mean 1/14;
+    # centred: 6/14, 6/14, -8/14, -1/14 (x4); squares sum to (36 + 36 + 64 + 4) / 196 = 5/7;
+    # unbiased variance (5/7) / 6 = 5/42
+    std = math.sqrt(5 / 42)
+    a, b, c = (6 / 14) / std, (-8 / 14) / std, (-1 / 14) / std
+    expected = torch.tensor([[a, a, 0.0], [b, 0.0, 0.0], [c, c, c], [c, 0.0, 0.0]])
+    assert adv.shape == (4, 3)
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+
+
+def test_reinforce_pp_baseline_is_whitened_over_tokens():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(4 * 3, generator=g)
+    lengths = torch.randint(1, 7, (12,), generator=g)
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).float()  # [12, 6]
+    adv = compute_advantages(scores, 3, "reinforce_plus_plus_baseline", response_mask=mask)
+    tokens = adv[mask.bool()]
+    assert abs(tokens.mean().item()) < 1e-6
+    assert tokens.std(unbiased=True).item() == pytest.approx(1.0, abs=1e-6)
+    assert (adv[~mask.bool()] == 0).all()
+    # group of one: the baseline is 0, so only the whitening is left
+    one = compute_advantages([1.0, 3.0], 1, "reinforce_plus_plus_baseline", response_mask=torch.ones(2, 1))
+    torch.testing.assert_close(one, torch.tensor([[-1.0], [1.0]]) / math.sqrt(2))  # mean 2, unbiased std sqrt(2)
+
+
+def test_reinforce_pp_baseline_errors():
+    with pytest.raises(ValueError, match="response_mask"):
+        compute_advantages([1.0, 0.0], 2, "reinforce_plus_plus_baseline")
+    with pytest.raises(ValueError, match=r"\[2, T\]"):
+        compute_advantages([1.0, 0.0], 2, "reinforce_plus_plus_baseline", response_mask=torch.ones(3, 4))
+    with pytest.raises(ValueError, match="at least 2"):  # like verl's masked_var: unbiased needs 2 tokens
+        compute_advantages([1.0, 0.0], 2, "reinforce_plus_plus_baseline", response_mask=torch.tensor([[1], [0]]))
+
+
+def test_unknown_estimator_names_the_choices():
+    assert ADV_ESTIMATORS == ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    with pytest.raises(ValueError, match="rloo"):
+        compute_advantages([1.0, 0.0], 2, "gae")
+
+
+def test_reinforce_pp_whitens_a_share_with_the_whole_batchs_statistics():
+    """Each of two ranks holds half the batch; `total` adds the other half's part of each statistic,
+    as the trainer's all-reduce does: the same advantages as the whole batch at once."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+    mask = torch.tensor(
+        [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
+    ).float()
+    whole = compute_advantages(scores, 2, "reinforce_plus_plus_baseline", response_mask=mask)
+    baselined = (scores.view(-1, 2) - scores.view(-1, 2).mean(1, keepdim=True)).reshape(-1, 1) * mask  # [8, 3]
+    mean = baselined.sum() / mask.sum()
+
+    def part(rows):  # a rank's token count, masked sum, and squared deviations from the batch mean
+        return [mask[rows].sum(), baselined[rows].sum(), ((baselined[rows] - mean).square() * mask[rows]).sum()]
+
+    got = []
+    for mine, other in ((slice(0, 4), slice(4, 8)), (slice(4, 8), slice(0, 4))):
+        others = iter(part(other))
+        share = compute_advantages(
+            scores[mine],
+            2,
+            "reinforce_plus_plus_baseline",
+            response_mask=mask[mine],
+            total=lambda t, o=others: t + next(o),
+        )
+        got.append(share)
+    torch.testing.assert_close(torch.cat(got), whole, rtol=0, atol=1e-6)

@@ -89,6 +89,18 @@ def test_killed_run_resumes_exactly_one_rank(baselines, tmp_path, crash_at):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    """--filter-groups draws its further prompts and seeds from (seed, step, batch): nothing to save."""
+    family = "--filter-groups --max-gen-batches 2 --overlong-buffer-len 3 --adv-estimator rloo".split()
+    train(tmp_path / "whole", *family)
+    train(tmp_path / "killed", *family, crash_at="rollout:3")
+    train(tmp_path / "killed", *family)
+    assert_same_run(tmp_path / "whole", tmp_path / "killed")
+    rows = [json.loads(line) for line in open(tmp_path / "killed" / "metrics.jsonl")]
+    assert any(r.get("filter/gen_batches") == 2 for r in rows)  # steps that generated a second batch
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("crash_at", ["update:3", "save:3"])
 def test_killed_run_resumes_exactly_two_ranks(baselines, tmp_path, crash_at):
     train(tmp_path, "--max-ckpt-to-keep", "2", ranks=2, crash_at=crash_at)

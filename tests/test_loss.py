@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from loss import agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from loss import (
+    LOSS_MODES,
+    agg_denominator,
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss,
+)
 
 # ----------------------------------------------------------------------------------------------
 # log-probs and entropy
@@ -258,3 +266,95 @@ def test_rollout_is_weights_scale_each_tokens_loss():
     loss.backward()
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
     torch.testing.assert_close(logp.grad, -weights / 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO: the same surrogate on a per-sequence ratio
+
+# two sequences; old log-probs 0, so logp - old_logp = logp
+GSPO_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+GSPO_ADV = torch.tensor([[1.0], [-1.0]]).expand(2, 3)  # A = +1 for sequence 0, -1 for sequence 1
+
+
+def gspo(logp_values, clip=0.3, adv=GSPO_ADV, mask=GSPO_MASK, **kw):
+    logp = torch.tensor(logp_values, requires_grad=True)
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), adv, mask, clip, clip, mode="gspo", **kw)
+    loss.backward()
+    return loss, logp.grad, {k: v.item() for k, v in metrics.items()}
+
+
+def test_gspo_hand_values_and_gradient():
+    # log s_0 = (0.1 + 0.2 + 0.3) / 3 = 0.2; log s_1 = (-0.1 + 0.0) / 2 = -0.05 (the 5.0 is masked)
+    loss, grad, metrics = gspo([[0.1, 0.2, 0.3], [-0.1, 0.0, 5.0]])
+    s0, s1 = math.exp(0.2), math.exp(-0.05)  # both inside [0.7, 1.3]: nothing clipped
+    # seq-mean-token-mean: each sequence's per-token loss is -A * s, the same on all its tokens
+    assert loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-6)
+    # d/d logp_t of s_t is s (the stop-gradients), scaled by 1 / (2 sequences x its token count)
+    expected = torch.tensor([[-s0 / 6, -s0 / 6, -s0 / 6], [s1 / 4, s1 / 4, 0.0]])
+    torch.testing.assert_close(grad, expected, atol=1e-6, rtol=0)
+    assert metrics["pg_clipfrac"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["ppo_kl"] == pytest.approx(-(0.1 + 0.2 + 0.3 - 0.1 + 0.0) / 5)  # per token, masked
+
+
+def test_gspo_clips_whole_sequences():
+    # clip 0.1: s_0 = e^0.2 > 1.1 with A > 0 is clipped (no gradient); s_1 = e^-0.05 > 0.9 is not
+    loss, grad, metrics = gspo([[0.1, 0.2, 0.3], [-0.1, 0.0, 5.0]], clip=0.1)
+    s1 = math.exp(-0.05)
+    assert loss.item() == pytest.approx((-1.1 + s1) / 2, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 0.0], [s1 / 4, s1 / 4, 0.0]]), atol=1e-6, rtol=0)
+    assert metrics["pg_clipfrac"] == pytest.approx(3 / 5)  # a token share: sequence 0's 3 of 5 tokens
+    # GSPO's own clip range (3e-4 / 4e-4): both sequences clipped, nothing to learn from
+    logp = torch.tensor([[0.1, 0.2, 0.3], [-0.1, 0.0, 5.0]], requires_grad=True)
+    loss, metrics = policy_loss(logp, torch.zeros(2, 3), GSPO_ADV, GSPO_MASK, 3e-4, 4e-4, mode="gspo")
+    loss.backward()
+    assert loss.item() == pytest.approx((-(1 + 4e-4) + (1 - 3e-4)) / 2, abs=1e-6)
+    assert logp.grad.abs().max().item() == 0.0 and metrics["pg_clipfrac"].item() == 1.0
+
+
+def test_gspo_has_no_dual_clip_and_clamps_the_log_ratio_at_10():
+    adv, mask = torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2)
+    # A < 0 and s = e^2: vanilla's dual clip would cap the loss at 3; verl's GSPO does not
+    loss, _, metrics = gspo([[2.0, 2.0]], adv=adv, mask=mask)
+    assert loss.item() == pytest.approx(math.exp(2.0), rel=1e-6)
+    assert metrics["pg_clipfrac_lower"] == 0.0
+    # log s = 20 is clamped to 10 (from above only), and the clamp stops the gradient
+    loss, grad, metrics = gspo([[20.0, 20.0]], adv=adv, mask=mask)
+    assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-6)
+    assert grad.abs().max().item() == 0.0
+    assert metrics["ppo_kl"] == pytest.approx(-20.0)  # not clamped
+    # A > 0 and log s = -30: not clamped at -20 as vanilla would (the unclipped term is the larger)
+    loss, _, _ = gspo([[-30.0, -30.0]], adv=-adv, mask=mask)
+    assert loss.item() == pytest.approx(-math.exp(-30.0), rel=1e-5)
+
+
+def test_gspo_always_aggregates_seq_mean_token_mean_and_applies_is_weights():
+    values = [[0.1, 0.2, 0.3], [-0.1, 0.0, 5.0]]
+    reference, _, _ = gspo(values)
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        assert gspo(values, agg=agg)[0].item() == reference.item()
+    s0, s1 = math.exp(0.2), math.exp(-0.05)
+    weights = torch.tensor([[0.5, 1.0, 2.0], [2.0, 2.0, 0.0]])
+    loss, grad, _ = gspo(values, rollout_is_weights=weights)
+    assert loss.item() == pytest.approx((-s0 * 3.5 / 3 + s1 * 4.0 / 2) / 2, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-s0 / 6, -s0 / 6, -s0 / 6], [s1 / 4, s1 / 4, 0.0]]) * weights)
+
+
+def test_gspo_on_policy_equals_vanilla_seq_mean_token_mean():
+    # with logp == old_logp every ratio is 1, and both losses are the plain policy gradient
+    g = torch.Generator().manual_seed(8)
+    logp = torch.randn(3, 4, generator=g).requires_grad_()
+    adv = torch.randn(3, 1, generator=g).expand(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    grads = []
+    for mode in LOSS_MODES:
+        logp.grad = None
+        loss, _ = policy_loss(logp, logp.detach(), adv, mask, agg="seq-mean-token-mean", mode=mode)
+        loss.backward()
+        grads.append((loss.item(), logp.grad.clone()))
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+def test_unknown_loss_mode():
+    with pytest.raises(ValueError, match="gspo"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), mode="cispo")

@@ -1,4 +1,5 @@
-"""reward.py: answer extraction as real model outputs write it, dispatch, and custom reward files."""
+"""reward.py: answer extraction as real model outputs write it, dispatch, custom reward files, and
+DAPO's overlong penalty."""
 
 import textwrap
 
@@ -11,6 +12,7 @@ from reward import (
     extract_gsm8k_answer,
     gsm8k_score,
     load_reward_fn,
+    overlong_penalty,
     score_responses,
 )
 
@@ -158,3 +160,23 @@ def test_builtin_sources_are_exactly_what_compute_score_dispatches():
         assert compute_score(source, "1", "1") in (0.0, 1.0)  # scored, not raised
     with pytest.raises(ValueError, match="no built-in reward for data_source 'my/puzzles'.*--reward-fn"):
         compute_score("my/puzzles", "1", "1")
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO's overlong penalty
+
+
+def test_overlong_penalty_hand_values():
+    # max 20 tokens, the last 4 are the buffer: no penalty up to 16, then -1/4 per token
+    lengths = [10, 16, 17, 18, 20, 22]
+    expected = [0.0, 0.0, -0.25, -0.5, -1.0, -1.5]  # 22 > max: verl does not bound it below
+    assert overlong_penalty(lengths, 20, 4, 1.0) == pytest.approx(expected)
+    assert overlong_penalty([18], 20, 4, 0.5) == pytest.approx([-0.25])  # (18 - 16) / 4 * 0.5
+    assert overlong_penalty([4096], 4096, 4096, 1.0) == pytest.approx([-1.0])  # buffer = whole budget
+    assert all(p <= 0 for p in overlong_penalty(range(30), 20, 4, 1.0))
+
+
+@pytest.mark.parametrize("buffer_len", [0, 21])
+def test_overlong_penalty_bad_buffer(buffer_len):
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty([10], 20, buffer_len, 1.0)

@@ -4,6 +4,7 @@ Slow (each vLLM run starts an engine), so marked; CI runs them all.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,20 +15,9 @@ from conftest import check_saved_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a short run of the demo: tiny model, digits task, small batches
-SMALL = [
-    "--max-steps",
-    "2",
-    "--prompt-batch-size",
-    "8",
-    "--mini-batch-size",
-    "8",
-    "--group-size",
-    "4",
-    "--test-freq",
-    "2",
-    "--val-max-prompts",
-    "16",
-]
+SMALL = (
+    "--max-steps 2 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --test-freq 2 --val-max-prompts 16".split()
+)
 
 
 def train(out_dir, *flags, ranks=1, check=True, env=None):
@@ -141,29 +131,7 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_te
     # ppo_epochs 2 and two mini-batches: old log-probs are recomputed; kl_coef > 0 loads the reference
     flags = [
         *SMALL,
-        "--rollout",
-        "hf",
-        "--ppo-epochs",
-        "2",
-        "--mini-batch-size",
-        "4",
-        "--micro-batch-size",
-        "8",
-        "--kl-coef",
-        "0.01",
-        "--tis-cap",
-        "2.0",
-        "--grad-checkpointing",
-        "--lr-schedule",
-        "cosine",
-        "--warmup-steps",
-        "0",
-        "--min-lr-ratio",
-        "0.1",
-        "--val-n",
-        "2",
-        "--val-temperature",
-        "1.0",
+        *"--rollout hf --ppo-epochs 2 --mini-batch-size 4 --micro-batch-size 8 --kl-coef 0.01 --tis-cap 2.0 --grad-checkpointing --lr-schedule cosine --warmup-steps 0 --min-lr-ratio 0.1 --val-n 2 --val-temperature 1.0".split(),
     ]
     loggers = ["--logger", "console,jsonl,wandb,tensorboard", "--wandb-project", "grpo-test"]
     proc = train(tmp_path, *flags, *loggers, ranks=2, env={"WANDB_MODE": "offline"})
@@ -200,6 +168,93 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_te
             0
         ].histogram_value.num == 32
     assert {"config/text_summary", "val/generations/text_summary"} <= set(events.Tags()["tensors"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The GRPO family: the options verl and TRL users switch between (README: "Recipes")
+
+# the demo on vLLM with DAPO's dynamic sampling and overlong punishment, REINFORCE++ and masked
+# truncation. With a buffer of 3 of the 4 response tokens, a group is informative when its lengths
+# differ: about half of the random policy's groups are, so steps need a second generation batch.
+FAMILY = [*SMALL, "--max-steps", "3", "--test-freq", "3", "--rollout", "vllm", "--filter-groups"]
+FAMILY += (
+    "--max-gen-batches 2 --overlong-buffer-len 3 --adv-estimator reinforce_plus_plus_baseline --mask-truncated".split()
+)
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family")
+    for ranks in (1, 2):
+        train(root / f"ranks{ranks}", *FAMILY, ranks=ranks)
+    return root
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_reinforce_pp_train_the_same_batch_on_one_and_two_ranks(family_runs):
+    one, two = metrics(family_runs / "ranks1"), metrics(family_runs / "ranks2")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3]
+    for a, b in zip(one[1:], two[1:]):
+        for key in ("filter/kept_groups", "filter/dropped_groups", "filter/gen_batches", "response_length/mean"):
+            assert a[key] == b[key], key
+        for key in (
+            "critic/score/mean",
+            "reward_extra/overlong_penalty/mean",
+            "critic/advantages/max",
+            "actor/pg_loss",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        # informative groups first; uninformative ones top the batch up only when the rollouts ran out
+        kept, batches = a["filter/kept_groups"], a["filter/gen_batches"]
+        assert a["frac_reward_zero_std"] == pytest.approx(1 - kept / 8) and (kept == 8 or batches == 2)
+        assert a["reward_extra/overlong_penalty/mean"] < 0
+    assert any(r["filter/gen_batches"] == 2 for r in one[1:])  # a step that needed more prompts
+    assert any(r["filter/kept_groups"] > 0 for r in one[1:])
+
+
+@pytest.mark.slow
+def test_gspo_with_rloo_trains_and_reports_verls_keys(tmp_path):
+    flags = [*SMALL, "--rollout", "hf", "--loss-mode", "gspo", "--clip-low", "3e-4", "--clip-high", "4e-4"]
+    train(tmp_path, *flags, "--adv-estimator", "rloo", "--test-freq", "-1")
+    rows = metrics(tmp_path)  # no validation: steps 1 and 2 only
+    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/pg_clipfrac_lower"] == 0 for r in rows)  # no dual clip
+    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_a_masked_response_counts_for_nothing_in_the_update(tmp_path):
+    """--mask-truncated zeroes a truncated response's mask: train_grpo.update_policy then makes the
+    update it makes without that response at all (in-process, a world of one rank)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import data_prep
+    import train_grpo
+    from config import Args
+    from models import build_tiny_model
+    from policy import make_batch
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    path = build_tiny_model(str(tmp_path / "m"), data_prep.TASK_WORDS)
+    args = Args(group_size=2, mini_batch_size=2, micro_batch_size=2, entropy_coef=0.0, grad_clip=1e9)
+    prompts, responses = [[3, 4, 5], [3, 6], [7, 8, 9, 4], [5]], [[10, 11], [12, 13, 14, 15], [10], [11, 12, 13]]
+
+    def update(rows, keep):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        batch = make_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad_id=0)
+        batch["response_mask"] = batch["response_mask"] * torch.tensor(keep)[:, None]  # what --mask-truncated does
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows][:, None] * batch["response_mask"]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine_logp = torch.zeros_like(batch["response_mask"])
+        train_grpo.update_policy(1, model, optimizer, batch, adv, None, None, engine_logp, args, 1, torch.device("cpu"))
+        return dict(model.named_parameters())
+
+    masked, without = update([0, 1, 2, 3], [1, 0, 1, 1]), update([0, 2, 3], [1, 1, 1])
+    base = dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    assert any(not torch.equal(masked[k], base[k]) for k in base)  # the update did something
+    for name in base:
+        torch.testing.assert_close(masked[name], without[name], rtol=0, atol=1e-6, msg=name)
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,16 +323,7 @@ def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
     flags = [
         "--train-data",
         str(tmp_path / "mixed.parquet"),
-        "--max-steps",
-        "1",
-        "--prompt-batch-size",
-        "8",
-        "--mini-batch-size",
-        "8",
-        "--group-size",
-        "2",
-        "--test-freq",
-        "-1",
+        *"--max-steps 1 --prompt-batch-size 8 --mini-batch-size 8 --group-size 2 --test-freq -1".split(),
     ]
     proc = run_plain(tmp_path, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -292,17 +338,7 @@ def test_early_stopping_keeps_the_best_policy(tmp_path):
     metric = "val-core/synthetic/digits/reward/mean@1"
     flags = [
         *SMALL,
-        "--max-steps",
-        "5",
-        "--rollout",
-        "hf",
-        "--lr",
-        "0",
-        "--test-freq",
-        "1",
-        "--save-freq",
-        "-1",
-        "--early-stop-metric",
+        *"--max-steps 5 --rollout hf --lr 0 --test-freq 1 --save-freq -1 --early-stop-metric".split(),
         metric,
         "--early-stop-patience",
         "1",
@@ -317,18 +353,7 @@ def test_early_stopping_keeps_the_best_policy(tmp_path):
 
 @pytest.mark.slow
 def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
-    flags = [
-        *SMALL,
-        "--max-steps",
-        "1",
-        "--rollout",
-        "hf",
-        "--no-val-before-train",
-        "--test-freq",
-        "-1",
-        "--save-freq",
-        "-1",
-    ]
+    flags = [*SMALL, *"--max-steps 1 --rollout hf --no-val-before-train --test-freq -1 --save-freq -1".split()]
     train(tmp_path, *flags, "--no-engine-logprobs")
     (row,) = metrics(tmp_path)
     assert "actor/pg_loss" in row and not [k for k in row if k.startswith("training/rollout_")]
@@ -340,19 +365,7 @@ def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
 def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
     warnings and the end-of-run report say so (health.py)."""
-    proc = train(
-        tmp_path,
-        "--lr",
-        "0.05",
-        "--max-steps",
-        "10",
-        "--test-freq",
-        "5",
-        "--val-max-prompts",
-        "64",
-        "--save-freq",
-        "-1",
-    )
+    proc = train(tmp_path, *"--lr 0.05 --max-steps 10 --test-freq 5 --val-max-prompts 64 --save-freq -1".split())
     assert "health: step" in proc.stdout and "actor/entropy fell" in proc.stdout
     assert "health report:" in proc.stdout and ": problem (" in proc.stdout
     report = (tmp_path / "report" / "report.md").read_text()
