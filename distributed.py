@@ -37,6 +37,11 @@ def all_sum(x, device):
     return t.item()
 
 
+def all_sum_tensor(t, device):
+    """The sum of a 0-d tensor over ranks, as a CPU tensor (advantage.masked_whiten's `total`)."""
+    return torch.tensor(all_sum(t, device))
+
+
 def all_gather(obj):
     """Every rank's `obj` (anything picklable), in rank order, on every rank."""
     out = [None] * dist.get_world_size()

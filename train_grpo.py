@@ -40,7 +40,7 @@ import data_prep
 import health
 from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args
-from distributed import all_gather, all_sum, init_distributed, print0, reduce_metrics
+from distributed import all_gather, all_sum, all_sum_tensor, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 from policy import (
@@ -418,7 +418,7 @@ def main():
         batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id)
         mask = batch["response_mask"]  # [N, R]
         estimator = (args.group_size, args.adv_estimator, args.norm_adv_by_std)  # [N], or [N, R] for REINFORCE++
-        advantages = compute_advantages(scores, *estimator, mask, total=lambda t: torch.tensor(all_sum(t, device)))
+        advantages = compute_advantages(scores, *estimator, mask, total=partial(all_sum_tensor, device=device))
         adv_tokens = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
         if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
             batch["response_mask"] = mask * ~torch.tensor(out.truncated)[:, None]
