@@ -114,8 +114,8 @@ class Args:
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the step
     holds --prompt-batch-size informative groups."""
     max_gen_batches: int = 10
-    """With --filter-groups: at most this many rollouts per step; then the step trains on what it has, topped up
-    with uninformative groups, and says so (filter/*)."""
+    """With --filter-groups: at most this many rollouts per step; then the step trains on the informative groups it
+    has, repeated to fill the batch, and says so (filter/*)."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong punishment: a response within this many tokens of --max-response-length loses up to
     --overlong-penalty-factor, linearly (0: off)."""

@@ -203,9 +203,9 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
 
     With --filter-groups (DAPO's dynamic sampling), groups whose rewards are all equal are dropped and
     further batches of prompts are generated until prompt_batch_size informative groups are held, or
-    --max-gen-batches ran out: then uninformative groups top the batch up (the step trains on what it
-    has; filter/* says so). The groups are dealt out to the ranks in their global order, so 1 and 2
-    ranks train on the same ones. Returns (rows, Rollout, texts, scores, extras, filter metrics)."""
+    --max-gen-batches ran out: then the step trains on what it has, its informative groups repeated to
+    fill the batch (each counts more; filter/* says so). The groups are dealt out to the ranks in their
+    global order, so 1 and 2 ranks train on the same ones. Returns (rows, Rollout, texts, scores, extras, filter metrics)."""
     n, local, pool = args.group_size, args.prompt_batch_size // world, {}
     for batch in range(args.max_gen_batches if args.filter_groups else 1):
         indices, first = step_prompts(train_rows, step, batch, args, rank, world)
@@ -237,7 +237,8 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
         if len(informative) >= args.prompt_batch_size:
             break
     uninformative = [g for g in range(len(groups)) if g not in set(informative)]
-    chosen = (informative + uninformative)[: args.prompt_batch_size][rank * local : (rank + 1) * local]
+    have = informative or uninformative  # nothing informative at all: a step with nothing to learn
+    chosen = [have[i % len(have)] for i in range(args.prompt_batch_size)][rank * local : (rank + 1) * local]
     mine = {k: [v[g * n + j] for g in chosen for j in range(n)] for k, v in pool.items()}  # this rank's share
     out = Rollout(mine["ids"], mine["logp"] if args.engine_logprobs else [], mine["truncated"])
     extras = {k.removeprefix("extra/"): v for k, v in mine.items() if k.startswith("extra/")}
