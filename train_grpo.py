@@ -230,7 +230,7 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
         # every rank's samples, as columns in global order, added to those of earlier batches
         mine = dict(row=[i for i in indices for _ in range(n)], ids=out.response_ids, text=texts, score=scores)
         mine.update(truncated=out.truncated, logp=out.logprobs or [[]] * len(texts))
-        mine.update({"extra/" + k: v for k, v in extras.items()})
+        mine["extra"] = [{k: v[i] for k, v in extras.items()} for i in range(len(texts))]  # keys may differ by rank
         pool = {k: pool.get(k, []) + sum((part[k] for part in all_gather(mine)), []) for k in mine}
         groups = [pool["score"][g : g + n] for g in range(0, len(pool["score"]), n)]
         informative = [g for g, group in enumerate(groups) if len(set(group)) > 1]
@@ -241,7 +241,7 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
     chosen = [have[i % len(have)] for i in range(args.prompt_batch_size)][rank * local : (rank + 1) * local]
     mine = {k: [v[g * n + j] for g in chosen for j in range(n)] for k, v in pool.items()}  # this rank's share
     out = Rollout(mine["ids"], mine["logp"] if args.engine_logprobs else [], mine["truncated"])
-    extras = {k.removeprefix("extra/"): v for k, v in mine.items() if k.startswith("extra/")}
+    extras = {k: [e.get(k) for e in mine["extra"]] for k in sorted({k for e in mine["extra"] for k in e})}
     metrics = {"filter/kept_groups": min(len(informative), args.prompt_batch_size)}
     metrics.update({"filter/dropped_groups": len(uninformative), "filter/gen_batches": batch + 1})
     return [train_rows[i] for i in mine["row"][::n]], out, mine["text"], mine["score"], extras, metrics
