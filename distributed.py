@@ -5,6 +5,7 @@ backend). `python train_grpo.py` without torchrun is a world of one. Collectives
 explicitly: nccl reduces CUDA tensors, gloo CPU ones.
 """
 
+import math
 import os
 
 import torch
@@ -50,18 +51,25 @@ def all_gather(obj):
 
 
 def reduce_metrics(metrics, device):
-    """Average metrics over ranks; keys ending in /max or /min take the max or min."""
+    """Average metrics over ranks; keys ending in /max or /min take the max or min. A key that some
+    ranks lack (a reward's extra keys may differ between ranks) is averaged over the ranks that have it."""
     if dist.get_world_size() == 1:
         return metrics
-    keys = sorted(metrics)
+    keys = sorted(set().union(*all_gather(sorted(metrics))))  # every rank reduces the same list
     out = {}
-    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min"), (dist.ReduceOp.SUM, None)):
+    for op, pick, missing in (
+        (dist.ReduceOp.MAX, "/max", -math.inf),
+        (dist.ReduceOp.MIN, "/min", math.inf),
+        (dist.ReduceOp.SUM, None, 0.0),
+    ):
         sel = [k for k in keys if (k.endswith(pick) if pick else not k.endswith(("/max", "/min")))]
         if not sel:
             continue
-        t = torch.tensor([float(metrics[k]) for k in sel], dtype=torch.float64, device=device)
+        t = torch.tensor([float(metrics.get(k, missing)) for k in sel], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=op)
-        if pick is None:
-            t /= dist.get_world_size()
+        if pick is None:  # a mean over the ranks that have the key
+            have = torch.tensor([float(k in metrics) for k in sel], dtype=torch.float64, device=device)
+            dist.all_reduce(have)
+            t /= have
         out.update(zip(sel, t.tolist()))
     return out
