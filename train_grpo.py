@@ -236,7 +236,7 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
         informative = [g for g, group in enumerate(groups) if len(set(group)) > 1]
         if len(informative) >= args.prompt_batch_size:
             break
-    uninformative = [g for g in range(len(groups)) if g not in set(informative)]
+    uninformative = sorted(set(range(len(groups))) - set(informative))
     have = informative or uninformative  # nothing informative at all: a step with nothing to learn
     chosen = [have[i % len(have)] for i in range(args.prompt_batch_size)][rank * local : (rank + 1) * local]
     mine = {k: [v[g * n + j] for g in chosen for j in range(n)] for k, v in pool.items()}  # this rank's share
