@@ -20,6 +20,9 @@ and the step says where in it we are. The rollout's sampling seeds are a functio
 
     python checkpoint.py export runs/grpo/global_step_200 my_model   # -> Hugging Face format
 
+With LoRA (lora.py) a checkpoint holds only what trains: the adapters and their optimizer state,
+plus hf/adapter_config.json and the base weights' fingerprint; the base comes from --model again.
+
 Loading a checkpoint runs no code from it. Reading a pickle can call any function the pickle names,
 so: everything but tensors is JSON; the shards hold only tensors, read with
 torch.load(weights_only=True), and a shard entry that is a pickled object is refused, not loaded;
@@ -143,6 +146,21 @@ def restore_tuples(value, live):
 # Saving
 
 
+def frozen_names(model):
+    """Names of the parameters that do not train (every name of a shared tensor: a tied LM head)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trainable_state(model):
+    """The model's sharded state dict without its frozen parameters: with LoRA, the adapters only
+    (the base comes from --model, and would make the checkpoint 30x larger); the whole model otherwise.
+    (torch's ignore_frozen_params keeps a tied LM head whose embedding is frozen, so we filter here.)"""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    frozen = frozen_names(model)
+    return {k: v for k, v in get_model_state_dict(model).items() if k not in frozen}
+
+
 class Checkpointer:
     """Saves every rank's shards of the policy and optimizer, plus the trainer state, atomically.
 
@@ -167,7 +185,7 @@ class Checkpointer:
         dist.barrier()
 
     def save(self, step, model, optimizer, trainer_state, tokenizer=None):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         self.wait()
         rank, tmp = dist.get_rank(), step_dir(self.out_dir, step) + ".tmp"
@@ -178,12 +196,14 @@ class Checkpointer:
                 json.dump(dict(trainer_state, step=step, world_size=dist.get_world_size()), f)
             model.config.save_pretrained(os.path.join(tmp, "hf"))
             model.generation_config.save_pretrained(os.path.join(tmp, "hf"))
+            if hasattr(model, "peft_config"):  # LoRA: what the adapters are; the base is --model
+                model.peft_config["default"].save_pretrained(os.path.join(tmp, "hf"))
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "hf"))
         dist.barrier()
         with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
             json.dump(rng_state(), f)
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
         tensors, plain = split_tensors(state)
         if rank == 0:  # param_groups are the same on every rank
             with open(os.path.join(tmp, NON_TENSORS), "w") as f:
@@ -440,7 +460,7 @@ def load(path, model, optimizer, config):
     naming the fields that differ; other config changes are allowed and listed.
     """
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
+        StateDictOptions,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -464,12 +484,23 @@ def load(path, model, optimizer, config):
     changed = sorted(k for k, v in config.items() if state["config"].get(k) != v)
     if changed:
         print(f"resume: config differs from the checkpoint's in {changed}; the new values apply", flush=True)
-    live = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    lora = os.path.isfile(os.path.join(path, "hf", "adapter_config.json"))
+    if lora != hasattr(model, "peft_config"):
+        raise SystemExit(
+            f"{path} holds {'LoRA adapters' if lora else 'a fully fine-tuned model'}, and this run "
+            f"{'trains LoRA adapters' if hasattr(model, 'peft_config') else 'fine-tunes the whole model'}"
+        )
+    live = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     tensors, _ = split_tensors(live)  # filled in place from the shards
     dcp.load(tensors, storage_reader=SafeReader(os.path.join(path, "shards")))
     with open(os.path.join(path, NON_TENSORS)) as f:
         saved = join_tensors(tensors, restore_tuples(json.load(f), live))
-    set_model_state_dict(model, saved["model"])
+    missing, _ = set_model_state_dict(model, saved["model"], options=StateDictOptions(strict=False))
+    missing = set(missing) - frozen_names(model)  # the frozen base of LoRA comes from --model, not from here
+    if missing:
+        raise SystemExit(
+            f"{path}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. {sorted(missing)[:3]}"
+        )
     set_optimizer_state_dict(model, optimizer, saved["optim"])
     rank_file = os.path.join(path, f"rng_rank{dist.get_rank()}.json")
     if state["world_size"] == dist.get_world_size():
@@ -516,22 +547,59 @@ def write_hf(state_dict, config, generation_config, tokenizer, out_dir):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(checkpoint, out_dir):
-    """Checkpoint -> Hugging Face format, in one process, whatever number of ranks saved it."""
+def export(checkpoint, out_dir, base=None, adapter_dir=None):
+    """Checkpoint -> Hugging Face format, in one process, whatever number of ranks saved it.
+
+    A LoRA checkpoint holds the adapters only: they are loaded onto the base model (`base`, by
+    default the run's --model) and written twice, merged into a plain model at out_dir and as a PEFT
+    adapter directory at adapter_dir (default: out_dir + "_adapter")."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import lora
 
     problem = problem_with(checkpoint)
     if problem:
         raise SystemExit(f"{checkpoint}: cannot export: {problem}")
     hf = os.path.join(checkpoint, "hf")
-    config = AutoConfig.from_pretrained(hf)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    full = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in skeleton.state_dict().items()}}
-    dcp.load(full, storage_reader=SafeReader(os.path.join(checkpoint, "shards")), no_dist=True)
+    config, lora_config = AutoConfig.from_pretrained(hf), lora.read_config(hf)
     tokenizer = AutoTokenizer.from_pretrained(hf) if os.path.isfile(os.path.join(hf, "tokenizer_config.json")) else None
-    write_hf(full["model"], config, GenerationConfig.from_pretrained(hf), tokenizer, out_dir)
-    print(f"exported {checkpoint} to {out_dir}")
+    shards = SafeReader(os.path.join(checkpoint, "shards"))
+    if lora_config is None:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        full = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in skeleton.state_dict().items()}}
+        dcp.load(full, storage_reader=shards, no_dist=True)
+        write_hf(full["model"], config, GenerationConfig.from_pretrained(hf), tokenizer, out_dir)
+        print(f"exported {checkpoint} to {out_dir}")
+        return
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    base = base or state["config"]["model"]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    except OSError as e:
+        raise SystemExit(
+            f"{checkpoint} holds LoRA adapters; their base model {base!r} does not load ({e}); pass --base DIR"
+        ) from None
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config)
+    lora.check_fingerprint(state.get("base_fingerprint"), lora.base_fingerprint(model), f"{checkpoint} on base {base}")
+    adapters = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
+    dcp.load(adapters, storage_reader=shards, no_dist=True)
+    model.load_state_dict(adapters["model"], strict=False)
+    write_hf(
+        dict(lora.merged_parameters(model, torch.float32)),
+        config,
+        GenerationConfig.from_pretrained(hf),
+        tokenizer,
+        out_dir,
+    )
+    adapter_dir = adapter_dir or os.path.normpath(out_dir) + "_adapter"
+    lora.write_adapter(
+        {k.replace(f".{lora.ADAPTER}.", "."): v for k, v in adapters["model"].items()}, lora_config, adapter_dir
+    )
+    print(f"exported {checkpoint}: the merged model to {out_dir}, the adapter to {adapter_dir}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -682,6 +750,10 @@ if __name__ == "__main__":
     commands = parser.add_subparsers(dest="command", required=True)
     e = commands.add_parser("export", help="write a checkpoint's policy in Hugging Face format")
     e.add_argument("checkpoint", help="a global_step_N directory")
-    e.add_argument("out_dir", help="where to write the model")
+    e.add_argument("out_dir", help="where to write the model (with LoRA: the base with the adapters merged in)")
+    e.add_argument("--base", default=None, help="LoRA: the base model's directory (default: the run's --model)")
+    e.add_argument(
+        "--adapter-out", default=None, help="LoRA: where to write the PEFT adapter (default: OUT_DIR_adapter)"
+    )
     args = parser.parse_args()
-    export(args.checkpoint, args.out_dir)
+    export(args.checkpoint, args.out_dir, args.base, args.adapter_out)

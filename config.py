@@ -126,6 +126,18 @@ class Args:
     engine_logprobs: bool = True
     """Have the engine return each sampled token's log-prob, for the engine-vs-trainer gap
     (training/rollout_*) and --tis-cap. Off: vLLM generation takes about a fifth less time on CPU; no gap metrics."""
+    # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
+    lora_rank: int = 0
+    """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
+    (SmolLM2's example: 1e-4 instead of 1e-5)."""
+    lora_alpha: float = 32.0
+    """LoRA alpha: the adapters' output is scaled by alpha / r (verl's examples use 32)."""
+    lora_target_modules: str = "all-linear"
+    """Comma-separated module names that get adapters (e.g. q_proj,v_proj); all-linear: every linear layer of
+    the blocks, not the LM head."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input. Above 0 the trainer's log-probs are no longer the engine's
+    sampling distribution, so the PPO ratio starts away from 1."""
     # --- precision and memory
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
@@ -287,6 +299,10 @@ def check_args(args, world=1):
             f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}",
         ),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        (a.lora_rank >= 0, f"--lora-rank must be >= 0 (0: full fine-tuning), got {a.lora_rank}"),
+        (a.lora_alpha > 0, f"--lora-alpha must be > 0, got {a.lora_alpha}"),
+        (0 <= a.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {a.lora_dropout}"),
+        (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         # ---- the GRPO family
         (a.max_gen_batches >= 1, f"--max-gen-batches must be >= 1, got {a.max_gen_batches}"),
         (

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import lora
 from loss import logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------
@@ -126,31 +127,50 @@ def shard(model, mesh, mixed_precision):
 
 def full_parameters(model, dtype):
     """Yields (hf_name, full tensor) one parameter at a time: each rank all-gathers its shards, so
-    the extra memory is one parameter, not a second model."""
+    the extra memory is one parameter, not a second model. With LoRA: the merged weights."""
+    if lora.is_lora(model):
+        yield from lora.merged_parameters(model, dtype)
+        return
     for name, param in model.named_parameters():
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         yield name, full.detach().to(dtype)
 
 
 def save_hf(model, tokenizer, out_dir, rank):
-    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format."""
+    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format (with LoRA,
+    the base with the adapters merged in: no PEFT needed to load it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if lora.is_lora(model):
+        state = {name: t.cpu() for name, t in full_parameters(model, torch.float32) if rank == 0}
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir)
     dist.barrier()
 
 
-def load_policy(path, mesh, device, grad_checkpointing=False, reference=False):
+def load_policy(path, mesh, device, grad_checkpointing=False, reference=False, lora_args=None):
     """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded:
-    fp32 master weights; on a GPU, FSDP computes in bf16."""
+    fp32 master weights; on a GPU, FSDP computes in bf16. With lora_args (rank, alpha, target
+    modules, dropout) the policy is a PeftModel whose base is frozen, and there is no reference
+    copy: the reference is the policy with its adapters off (reference_logprobs)."""
     mixed = device.type == "cuda"
     policy = load_model(path, torch.float32, device)
     if grad_checkpointing:  # recompute activations in the backward pass: less memory, more compute
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_args:
+        return shard(lora.add_adapters(policy, *lora_args), mesh, mixed), None
     frozen = load_model(path, torch.float32, device).eval().requires_grad_(False) if reference else None
     return shard(policy, mesh, mixed), None if frozen is None else shard(frozen, mesh, mixed)
+
+
+def reference_logprobs(policy, reference, *logprob_args):
+    """compute_logprobs under the KL reference: the frozen copy, or with LoRA the policy's base."""
+    if reference is not None:
+        return compute_logprobs(reference, *logprob_args)
+    with lora.reference_mode(policy):
+        return compute_logprobs(policy, *logprob_args)
 
 
 def sync_weights(engine, policy, dtype):

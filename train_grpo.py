@@ -38,6 +38,7 @@ import torch.distributed as dist
 import checkpoint
 import data_prep
 import health
+import lora
 from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args
 from distributed import all_gather, all_sum, all_sum_tensor, init_distributed, print0, reduce_metrics
@@ -48,6 +49,7 @@ from policy import (
     load_policy,
     make_batch,
     micro_batches,
+    reference_logprobs,
     response_logits,
     save_hf,
     sync_weights,
@@ -160,10 +162,11 @@ def lr_factor(step, args, total_steps):
     return 1.0
 
 
-def resume(path, args, policy, optimizer, scheduler, total_steps):
+def resume(path, args, policy, optimizer, scheduler, total_steps, base_fingerprint=None):
     """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history). A run that has already finished is refused."""
+    history). A run that has already finished, or LoRA adapters on another base model, is refused."""
     state = checkpoint.load(path, policy, optimizer, dataclasses.asdict(args))
+    lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
     scheduler.load_state_dict(state["scheduler"])
     step, history = state["step"], state["metrics"]
     if step >= total_steps or should_stop(history, args.early_stop_metric, args.early_stop_patience):
@@ -378,9 +381,14 @@ def main():
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine, engine_dtype = start_engine(args, world, device)
     print0(f"rollout engine: {type(engine).__name__}")
-    policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, reference=args.kl_coef > 0)
+    lora_args = (
+        (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
+    )
+    policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, args.kl_coef > 0, lora_args)
+    base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
@@ -393,7 +401,7 @@ def main():
         checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save)
     start_step, history = 0, []
     if resume_from:
-        start_step, history = resume(resume_from, args, policy, optimizer, scheduler, total_steps)
+        start_step, history = resume(resume_from, args, policy, optimizer, scheduler, total_steps, base_fingerprint)
         sync_weights(engine, policy, engine_dtype)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
@@ -432,7 +440,7 @@ def main():
         with timed(timing, "old_log_prob"):
             old_logp = None if on_policy else compute_logprobs(policy, *logprob_args)
         with timed(timing, "ref"):
-            ref_logp = compute_logprobs(reference, *logprob_args) if reference else None
+            ref_logp = reference_logprobs(policy, reference, *logprob_args) if args.kl_coef > 0 else None
 
         # ---- policy update: ppo_epochs x mini-batches x micro-batches
         with timed(timing, "update_actor"):
@@ -481,6 +489,7 @@ def main():
             checkpointer.poll()  # publish a finished background save now, not at the next save
             if step % args.save_freq == 0 or step == total_steps or stop:
                 trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
+                trainer_state["base_fingerprint"] = base_fingerprint
                 checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
         if stop:
             patience = f"{args.early_stop_patience} validations"
@@ -492,8 +501,11 @@ def main():
     # ---------------- save the policy (never the reference) in Hugging Face format; the health report
     log.close()
     if args.save_model:
-        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank)
+        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank)  # with LoRA: merged
         print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
+        if lora_args:
+            lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
+            print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
     if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
         path, verdicts = health.write_report(args.out_dir)
         counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))

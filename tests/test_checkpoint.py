@@ -118,6 +118,29 @@ def test_killed_vllm_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_lora_run_resumes_exactly_and_only_on_its_own_base(tmp_path):
+    """A LoRA checkpoint holds the adapters and their optimizer state; the base comes from --model
+    again, and a base whose weights differ is refused (the run directory is left as it was)."""
+    lora = "--lora-rank 8 --lr 5e-3 --kl-coef 0.05".split()
+    train(tmp_path / "whole", *lora)
+    train(tmp_path / "killed", *lora, crash_at="update:3")
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other_base"
+    shutil.copytree(tmp_path / "killed" / "tiny_model", other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"][0] += 1e-3  # one number of a layer LoRA does not touch
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    from config import DEMO_OVERRIDES  # the run's flags, but for the model
+
+    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
+    proc = attempt(tmp_path / "killed", *demo, *RUN, *lora, "--model", str(other))
+    assert proc.returncode != 0 and "trained on other base weights" in proc.stderr, proc.stderr[-3000:]
+    train(tmp_path / "killed", *lora)
+    assert_same_run(tmp_path / "whole", tmp_path / "killed")
+
+
+@pytest.mark.slow
 def test_async_save_killed_before_it_completed(baselines, tmp_path):
     # with --async-save, step 2's checkpoint is completed during step 3's save: die right there
     train(tmp_path, "--async-save", crash_at="save:2")
