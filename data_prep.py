@@ -2,6 +2,7 @@
 (one file, or a directory of shards).
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
+    python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (below)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
 
@@ -13,6 +14,14 @@ made by verl are interchangeable:
     ability       str    e.g. "math"
     reward_model  dict   {"style": "rule", "ground_truth": ...}
     extra_info    dict   anything else ({"split", "index", "answer", "question"} for GSM8K)
+
+MATH-format data (Hendrycks et al. 2021's fields, which MATH-500 and the lighteval mirror keep) is
+jsonl, one problem a line: {"problem": str, "solution": str with the final answer in \\boxed{...},
+optional "level", "type"}; other fields are ignored. The ground truth is the content of the
+solution's last \\boxed{} (found exactly as reward.py finds the model's answer). --input is either
+one .jsonl file, written to <out>/<file name>.parquet with that name as the split (test.jsonl ->
+test.parquet), or a directory holding train.jsonl and/or test.jsonl, as for GSM8K (each one found
+is converted).
 """
 
 import argparse
@@ -23,6 +32,8 @@ import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from reward import MATH_SOURCES, last_boxed
 
 # ----------------------------------------------------------------------------------------------
 # GSM8K (the grade-school-math jsonl release: {"question": ..., "answer": "...\n#### 18"})
@@ -63,6 +74,77 @@ def gsm8k_rows(jsonl_path, split):
                 }
             )
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH (jsonl rows {"problem", "solution", "level", "type"}; the answer is the last \boxed{})
+
+# What verl's math_dataset.py writes: its old name "lighteval/MATH" is gone from the Hub, and this
+# mirror is the name verl routes to its MATH reward, so our files and verl's are interchangeable.
+# MATH-500 files can say "HuggingFaceH4/MATH-500" (--data-source) to be reported under that name.
+MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # verl's
+
+
+def math_rows(jsonl_path, split, data_source=MATH_SOURCE):
+    """Read one MATH-format jsonl file into rows of verl's schema (the same as verl's
+    math_dataset.py, plus the problem, solution, level and type in extra_info)."""
+    rows = []
+    with open(jsonl_path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{jsonl_path}, line {line_no}"
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from e
+            if not isinstance(example, dict):
+                raise ValueError(f"{where}: expected a JSON object with 'problem' and 'solution', got {example!r:.80}")
+            for field in ("problem", "solution"):
+                if not isinstance(example.get(field), str):
+                    raise ValueError(f"{where}: field {field!r} missing or not a string")
+            answer = last_boxed(example["solution"])
+            if not answer:
+                raise ValueError(
+                    f"{where}: field 'solution' has no final answer in \\boxed{{...}} (the last \\boxed is missing, "
+                    f"empty or unclosed): ...{example['solution'][-80:]!r}"
+                )
+            # level/type as text: MATH writes "Level 5", MATH-500 writes 5, and a parquet column has one type
+            optional = {k: None if example.get(k) is None else str(example[k]) for k in ("level", "type")}
+            rows.append(
+                {
+                    "data_source": data_source,
+                    "prompt": [{"role": "user", "content": example["problem"] + " " + MATH_INSTRUCTION}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": answer},
+                    "extra_info": {
+                        "split": split,
+                        "index": len(rows),
+                        **optional,
+                        "problem": example["problem"],
+                        "solution": example["solution"],
+                    },
+                }
+            )
+    if not rows:
+        raise ValueError(f"{jsonl_path}: no rows")
+    return rows
+
+
+def math_inputs(path):
+    """The (jsonl file, split) pairs behind --input: a file is its own split (its name without
+    .jsonl); a directory gives its train.jsonl and test.jsonl, whichever exist."""
+    if os.path.isfile(path):
+        return [(path, os.path.splitext(os.path.basename(path))[0])]
+    found = [(os.path.join(path, f"{s}.jsonl"), s) for s in ("train", "test")]
+    found = [(f, s) for f, s in found if os.path.isfile(f)]
+    if not found:
+        raise FileNotFoundError(
+            f"{path}: expected a .jsonl file, or a directory holding train.jsonl and/or test.jsonl (MATH format: "
+            '{"problem": ..., "solution": "... \\boxed{answer}"} per line)'
+        )
+    return found
 
 
 def write_parquet(rows, path):
@@ -315,6 +397,15 @@ def main(argv=None):
     g = tasks.add_parser("gsm8k", help="convert GSM8K's train.jsonl/test.jsonl")
     g.add_argument("--input", required=True, help="directory with train.jsonl and test.jsonl")
     g.add_argument("--out", default="data/gsm8k", help="directory to write train.parquet and test.parquet to")
+    mp = tasks.add_parser("math", help="convert MATH-format jsonl (problem, solution with \\boxed{answer})")
+    mp.add_argument("--input", required=True, help="a .jsonl file, or a directory with train.jsonl and/or test.jsonl")
+    mp.add_argument("--out", default="data/math", help="directory to write <split>.parquet to")
+    mp.add_argument(
+        "--data-source",
+        default=MATH_SOURCE,
+        choices=sorted(MATH_SOURCES),
+        help="the rows' data_source, which names them in validation metrics; all are scored by reward.math_score",
+    )
     d = tasks.add_parser("digits", help="the synthetic task: copy the first or last digit of a list")
     d.add_argument("--out", default="data/digits", help="directory to write train.parquet and test.parquet to")
     d.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
@@ -334,6 +425,13 @@ def main(argv=None):
             if not os.path.isfile(src):
                 parser.error(f"{src} not found; --input must be a directory holding GSM8K's train.jsonl and test.jsonl")
             write_parquet(gsm8k_rows(src, split), os.path.join(args.out, f"{split}.parquet"))
+    if args.task == "math":
+        try:
+            inputs = math_inputs(args.input)
+        except FileNotFoundError as e:
+            parser.error(str(e))
+        for src, split in inputs:
+            write_parquet(math_rows(src, split, args.data_source), os.path.join(args.out, f"{split}.parquet"))
     if args.task == "digits":
         write_task(args.out, args.seed, args.train_size, args.test_size)
     if args.task == "multiply":

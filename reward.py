@@ -5,13 +5,36 @@ Every reward function has verl's signature,
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
 and returns either a float or a dict with a "score" key plus extra keys that the trainer logs as
-metrics. A verl user's reward file works here unchanged: `--reward-fn my_reward.py:compute_score`.
+metrics (reward_extra/<key>/mean). A verl user's reward file works here unchanged:
+`--reward-fn my_reward.py:compute_score`.
+
+What a reward function sees in extra_info: the row's own extra_info (data_prep.py writes split and
+index; verl's files hold more), plus, when the caller passes the generated token ids to score_rows
+(the trainer does), three keys added to a copy of it (the row itself is never changed: a prompt's n samples share
+one row, and rows are reused every epoch):
+
+    response_ids      list[int]  the tokens the model wrote, the final EOS included
+    response_length   int        len(response_ids), counted as verl and overlong_penalty count it
+    truncated         bool       the response hit the length limit instead of stopping on its own
+
+Several reward functions combine into one with weighted_reward (TRL's reward_weights):
+score = sum_i w_i * s_i, each s_i kept as an extra key. A reward function that raises stops the
+run, unless score_responses(..., errors="skip") (--reward-errors skip) scores that sample 0 and
+counts it in the extra key "reward_error".
 """
 
+import atexit
+import functools
 import importlib.util
+import json
 import math
 import os
 import re
+import select
+import subprocess
+import sys
+import threading
+import warnings
 from decimal import Decimal, InvalidOperation
 
 # ----------------------------------------------------------------------------------------------
@@ -94,24 +117,219 @@ def multiply_score(solution_str, ground_truth):
 
 
 # ----------------------------------------------------------------------------------------------
+# MATH (Hendrycks et al. 2021): the answer in the last \boxed{}, compared with math-verify
+#
+# The data_sources verl's default_compute_score sends to its \boxed{} MATH scorer. verl's other
+# math sources ("math_dapo", "aime*", the numina_* ones) expect other answer formats ("Answer: 42")
+# and are not included: score those with --reward-fn.
+MATH_SOURCES = {"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"}
+
+MATH_TIMEOUT = 5.0  # seconds for one response: parsing and comparing a sane answer takes milliseconds
+
+# "1\,000" is a LaTeX thousands separator, which math-verify reads as a product (1 * 000 = 0)
+THIN_SPACE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
+
+
+def last_boxed(text):
+    r"""The content of the last \boxed{...} (or \fbox{...}) in `text`, or None if there is none.
+
+    Braces are matched, so "\boxed{\frac{1}{2}}" gives "\frac{1}{2}"; escaped braces (\{ \}) are
+    text, not grouping. The brace-less form "\boxed 5" gives what follows up to the next '$' or
+    line end. The last box is the answer even when it cannot be read: an unclosed "\boxed{" (a
+    response cut off mid-answer) gives None, never an earlier box.
+    """
+    at = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if at < 0:
+        return None
+    command = re.match(r"\\(?:boxed|fbox)(\s*)", text[at:])
+    rest = text[at + command.end() :]
+    if not rest.startswith("{"):
+        if not command.group(1):  # "\boxedx" is some other command
+            return None
+        answer = re.split(r"[$\n]", rest, maxsplit=1)[0].strip()
+        return answer or None
+    depth = 0
+    for token in re.finditer(r"\\.|[{}]|[^\\{}]+", rest, re.DOTALL):  # \x pairs first: "\{" is text
+        if token.group() == "{":
+            depth += 1
+        elif token.group() == "}":
+            depth -= 1
+            if depth == 0:
+                return rest[1 : token.start()].strip()
+    return None
+
+
+def math_verify_score(solution_str, ground_truth):
+    r"""(score, pred) for one response, with no time limit: the comparison math_score runs in its
+    worker process. score is 1.0 if the answer equals the ground truth as mathematics, else 0.0;
+    pred is the answer text that was compared (None if the response gave none).
+
+    The answer is the last \boxed{...}; a response with no \boxed at all falls back to math-verify's
+    own extraction (the last LaTeX or plain expression, "The final answer is $x$" first).
+    math-verify then compares values, not strings: 0.5 = \frac{1}{2} = 1/2 = \dfrac12 = 50\%,
+    {1,2} = {2,1}, [0,1) != (0,1), \sqrt{50} = 5\sqrt{2}, "x = 3" equals 3, decimals to 6 places.
+    The one rule we add: a thin space between digit groups is dropped first (1\,000 = 1000).
+    Units and degree signs are dropped ("5 \text{ cm}" = 5, "30^\circ" = 30), as the MATH
+    benchmark's own answer normalization does; we keep that, so "5 m" also equals "5 cm".
+
+    Garbage in the response scores 0. A ground truth math-verify cannot read is a ValueError: it is
+    a data bug, and a silent 0 would train on it (every sample of that prompt scoring 0).
+    """
+    # imported here, not at the top: only math_score's worker process needs sympy
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    truth = str(ground_truth)
+    truth = THIN_SPACE.sub("", last_boxed(truth) or truth)  # a whole reference solution works too
+    # parsing_timeout=None, timeout_seconds=None: no signal.alarm (see math_score); math-verify's
+    # own error handling stays on (raise_on_error=False), so bad input gives [] / False, not errors
+    gold = parse("\\boxed{" + truth + "}", [LatexExtractionConfig()], parsing_timeout=None)
+    if not gold:
+        raise ValueError(
+            f"math ground truth {ground_truth!r} is not an answer math-verify can read; expected the content of "
+            "the reference solution's last \\boxed{}, e.g. '\\frac{1}{2}' (data_prep.py math writes it)"
+        )
+    try:
+        answer = last_boxed(solution_str)
+        if answer is not None:
+            found = parse(
+                "\\boxed{" + THIN_SPACE.sub("", answer) + "}",
+                [LatexExtractionConfig(), ExprExtractionConfig()],
+                parsing_timeout=None,
+            )
+        elif "\\boxed" in solution_str or "\\fbox" in solution_str:
+            found = []  # the last box is unreadable: no answer, not a hunt for another one
+        else:
+            found = parse(solution_str, [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
+            answer = found[-1] if found and isinstance(found[-1], str) else None  # the text it matched
+        correct = bool(found) and verify(gold, found, timeout_seconds=None)
+    except Exception:  # math-verify catches its own errors; this makes "never raises" ours to promise
+        return 0.0, None
+    return (1.0 if correct else 0.0), answer
+
+
+def serve_math_worker():
+    """The worker's loop: one JSON request [solution_str, ground_truth] per stdin line, one JSON
+    reply per stdout line: {"score", "pred"} or {"error"}. Ends when stdin closes."""
+    import logging
+
+    import math_verify  # noqa: F401  (imported before "ready", so the first request is not charged for it)
+
+    # its "Timeout is disabled" warning: the timeout is math_score's, which kills this process
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        solution_str, ground_truth = json.loads(line)
+        try:
+            score, pred = math_verify_score(solution_str, ground_truth)
+            reply = {"score": score, "pred": pred}
+        except ValueError as e:
+            reply = {"error": str(e)}
+        print(json.dumps(reply), flush=True)
+
+
+# Why a worker process. math-verify 0.9.0's own timeouts (parse's parsing_timeout and verify's
+# timeout_seconds, 5 s each by default) use signal.alarm: called outside the main thread (a reward
+# run from a thread pool) they raise ValueError, they cancel any alarm the caller had set, and a
+# signal only lands between Python bytecodes, never inside one long C call. Turned off
+# (None), hostile answers hang: \boxed{9^{9^{9^{9}}}}, \boxed{(10^{10})!}, \boxed{(x+1)^{100000}}
+# each ran past 20 s before we stopped them. So math_score runs math-verify, timeouts off, in a
+# child process that it kills after `timeout` seconds: no signals, any thread, and every hang ends.
+# One child per process (a forked process starts its own), started on first use, restarted after
+# a kill; callers take turns.
+_math_worker = {"pid": None, "process": None}
+_math_lock = threading.Lock()
+
+
+def _stop_math_worker():
+    process = _math_worker["process"]
+    if process is not None and _math_worker["pid"] == os.getpid():
+        process.kill()
+        process.wait()
+        process.stdin.close()
+        process.stdout.close()
+    _math_worker.update(pid=None, process=None)
+
+
+atexit.register(_stop_math_worker)
+
+
+def _start_math_worker():
+    """This process's worker, started if there is none (or it died, or we are a forked child)."""
+    process = _math_worker["process"]
+    if process is not None and _math_worker["pid"] == os.getpid() and process.poll() is None:
+        return process
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import reward; reward.serve_math_worker()"
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if process.stdout.readline().strip() != "ready":  # it failed to import; its traceback is on stderr
+        process.kill()
+        raise RuntimeError(
+            "math_score's worker process could not start (its error is printed above); is math-verify installed? "
+            "pip install -r requirements.txt"
+        )
+    _math_worker.update(pid=os.getpid(), process=process)
+    return process
+
+
+def math_score(solution_str, ground_truth, timeout=MATH_TIMEOUT):
+    r"""{"score": 1.0 or 0.0, "pred": the answer compared} for one response to a MATH problem
+    (math_verify_score, in a worker process). `ground_truth` is the content of the reference
+    solution's last \boxed{}, e.g. "\frac{1}{2}" or "0.5" (data_prep.py math).
+
+    An answer that takes longer than `timeout` seconds scores 0 with a warning (the worker is
+    killed, and the next call starts a new one in under a second); a ground truth math-verify
+    cannot read raises ValueError.
+    "pred" is what eval.py votes on for maj@k.
+    """
+    request = json.dumps([str(solution_str), str(ground_truth)]) + "\n"
+    with _math_lock:
+        for _ in range(2):  # a worker found dead is replaced once; dying twice is this answer's doing
+            process = _start_math_worker()
+            try:
+                process.stdin.write(request)
+                process.stdin.flush()
+                ready, _, _ = select.select([process.stdout], [], [], timeout)
+                line = process.stdout.readline() if ready else ""
+            except OSError:  # it had died before we wrote
+                ready, line = True, ""
+            if line:
+                break
+            _stop_math_worker()
+            if not ready:
+                break  # timed out: the same answer would time out again
+    if not line:
+        pred = last_boxed(str(solution_str))
+        problem = f"gave up after {timeout} s" if not ready else "the worker died on it"
+        warnings.warn(f"math_score: {problem} on the answer {pred!r:.100}; scored 0", stacklevel=2)
+        return {"score": 0.0, "pred": pred}
+    reply = json.loads(line)
+    if "error" in reply:
+        raise ValueError(reply["error"])
+    return reply
+
+
+# ----------------------------------------------------------------------------------------------
 # Dispatch by data source (verl's `default_compute_score`)
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """The built-in reward for a row's data_source. Unknown sources are an error, not a 0."""
+    """The built-in reward for a row's data_source: a float, or for MATH a dict {"score", "pred"}
+    (verl's reward functions return either). Unknown sources are an error, not a 0."""
     if data_source == GSM8K_SOURCE:
         return gsm8k_score(solution_str, ground_truth)
     if data_source == DIGITS_SOURCE:
         return digits_score(solution_str, ground_truth)
     if data_source == MULTIPLY_SOURCE:
         return multiply_score(solution_str, ground_truth)
+    if data_source in MATH_SOURCES:
+        return math_score(solution_str, ground_truth)
     raise ValueError(
         f"no built-in reward for data_source {data_source!r}; built-in sources: {sorted(BUILTIN_SOURCES)}. "
         "For other data, pass a reward file: --reward-fn path/to/file.py:function_name"
     )
 
 
-BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE}
+BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE} | MATH_SOURCES
 
 # ----------------------------------------------------------------------------------------------
 # Custom reward functions
@@ -142,59 +360,173 @@ class RewardError(RuntimeError):
     """A reward function raised or returned something that is not a score."""
 
 
-def score_responses(reward_fn, data_sources, responses, ground_truths, extra_infos=None, indices=None):
+def read_score(out):
+    """(score, extras) from what a reward function returned: a number, or a dict with "score" and
+    extra keys. Raises ValueError saying what was wrong with anything else (None, NaN, "high", a
+    dict without "score")."""
+    extras = {}
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"returned a dict without 'score' (keys {sorted(out)})")
+        extras = {k: v for k, v in out.items() if k != "score"}
+        out = out["score"]
+    try:
+        value = float(out)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"returned {out!r}; expected a finite number, or a dict with a 'score'")
+    return value, extras
+
+
+def score_responses(reward_fn, data_sources, responses, ground_truths, extra_infos=None, indices=None, errors="raise"):
     """Score every response with `reward_fn`, called with verl's keyword arguments.
 
     Returns (scores, extras): scores is a list of floats; extras maps each extra key of dict
     returns to a list with one value per sample (None where a sample lacked it).
-    A reward function that raises stops the run with the sample index, data source and the
-    exception: a silently-zero reward would quietly train the policy on a bug.
+
+    errors="raise" (the default): a reward function that raises, or returns something that is not
+    a score, stops the run with the sample index, data source and the problem: a silently-zero
+    reward would quietly train the policy on a bug.
+    errors="skip" (--reward-errors skip): such a sample scores 0, extras["reward_error"] is 1.0 for
+    it and 0.0 for the others (its mean is the error fraction, its sum the count), and one line
+    per call, with the count and the first problem, goes to stderr.
     """
+    if errors not in ("raise", "skip"):
+        raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
     extra_infos = extra_infos if extra_infos is not None else [None] * len(responses)
     indices = indices if indices is not None else range(len(responses))
     name = getattr(reward_fn, "__name__", repr(reward_fn))
-    scores, extras = [], {}
+    scores, extras, failed = [], {}, []
     for i, (idx, ds, resp, gt, info) in enumerate(zip(indices, data_sources, responses, ground_truths, extra_infos)):
         try:
             out = reward_fn(data_source=ds, solution_str=resp, ground_truth=gt, extra_info=info)
         except Exception as e:
-            raise RewardError(
-                f"reward function {name} raised on sample {idx} (data_source={ds!r}): {type(e).__name__}: {e}"
-            ) from e
-        if isinstance(out, dict):
-            if "score" not in out:
-                raise RewardError(
-                    f"reward function {name} returned a dict without 'score' on sample {idx} (data_source={ds!r}): keys {sorted(out)}"
-                )
-            for key, value in out.items():
-                if key != "score":
-                    extras.setdefault(key, [None] * i).append(value)
-            out = out["score"]
+            problem, cause = f"raised on sample {idx} (data_source={ds!r}): {type(e).__name__}: {e}", e
+        else:
+            try:
+                value, sample_extras = read_score(out)
+                problem = None
+            except ValueError as e:
+                problem, cause = f"on sample {idx} (data_source={ds!r}) {e}", None
+        if problem is not None:
+            if errors == "raise":
+                raise RewardError(f"reward function {name} {problem}") from cause
+            value, sample_extras = 0.0, {}
+            failed.append((i, problem))
+        for key, v in sample_extras.items():
+            extras.setdefault(key, [None] * i).append(v)
         for column in extras.values():  # keep every extras column one entry per sample
             column.extend([None] * (i + 1 - len(column)))
-        try:
-            value = float(out)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not math.isfinite(value):
-            raise RewardError(
-                f"reward function {name} returned {out!r} on sample {idx} (data_source={ds!r}); expected a finite number"
-            )
         scores.append(value)
+    if errors == "skip":
+        extras["reward_error"] = [0.0] * len(scores)
+        for i, _ in failed:
+            extras["reward_error"][i] = 1.0
+        if failed:
+            print(
+                f"reward errors: {len(failed)} of {len(scores)} samples scored 0 (--reward-errors skip); "
+                f"the first: reward function {name} {failed[0][1]}",
+                file=sys.stderr,
+            )
     return scores, extras
 
 
-def score_rows(reward_fn, rows, texts, first=0):
+def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=None, errors="raise"):
     """score_responses for rows of verl's schema and one response text each; `first` numbers the
-    samples in error messages (their place in the whole batch, not in this rank's share)."""
+    samples in error messages (their place in the whole batch, not in this rank's share).
+
+    With response_ids (one list of token ids per sample) and/or truncated (one bool per sample),
+    each reward call gets a copy of its row's extra_info with "response_ids", "response_length" =
+    len(response_ids) and "truncated" added (the module docstring). The row is not changed: a
+    prompt's n samples share one row, and the next sample must not see this one's tokens.
+    """
+    infos = [r.get("extra_info") for r in rows]
+    if response_ids is not None or truncated is not None:
+        infos = [dict(info or {}) for info in infos]
+        for i, info in enumerate(infos):
+            if response_ids is not None:
+                info.update(response_ids=list(response_ids[i]), response_length=len(response_ids[i]))
+            if truncated is not None:
+                info["truncated"] = bool(truncated[i])
     return score_responses(
         reward_fn,
         [r["data_source"] for r in rows],
         texts,
         [r["reward_model"]["ground_truth"] for r in rows],
-        [r.get("extra_info") for r in rows],
+        infos,
         indices=range(first, first + len(rows)),
+        errors=errors,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Several reward functions with weights (TRL's reward_weights)
+
+
+def weighted_score(fns, weights, names, data_source, solution_str, ground_truth, extra_info=None):
+    """verl's reward signature over several reward functions:
+
+        score = sum_i weights[i] * s_i        s_i = fns[i]'s score
+
+    Returns {"score": ..., names[i]: s_i, f"{names[i]}/{key}": each extra key of fns[i]}, so the
+    trainer logs reward_extra/<name>/mean for every function. A function that raises or returns a
+    non-score raises RewardError naming it."""
+    total, out = 0.0, {}
+    for fn, weight, name in zip(fns, weights, names):
+        try:
+            value, extras = read_score(
+                fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+            )
+        except Exception as e:
+            raise RewardError(f"{name}: {type(e).__name__}: {e}") from e
+        total += weight * value
+        out[name] = value
+        out.update({f"{name}/{key}": v for key, v in extras.items()})
+    return {"score": total, **out}
+
+
+def weighted_reward(fns, weights=None, names=None):
+    """One reward function (verl's signature) that scores with every one of `fns` and returns the
+    weighted sum (weighted_score). weights: one float per function, default all 1.0; names: how
+    each function's score is logged, default its __name__ (they must be unique)."""
+    weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
+    names = [getattr(fn, "__name__", f"reward_{i}") for i, fn in enumerate(fns)] if names is None else list(names)
+    if not fns:
+        raise ValueError("weighted_reward needs at least one reward function")
+    if len(weights) != len(fns):
+        raise ValueError(
+            f"{len(weights)} reward weights {weights} for {len(fns)} reward functions {names}; give one weight per --reward-fn"
+        )
+    if len(names) != len(fns) or len(set(names)) != len(names) or "score" in names:
+        raise ValueError(f"reward names {names} must be {len(fns)} distinct names, none of them 'score'")
+    fn = functools.partial(weighted_score, fns, weights, names)
+    fn.__name__ = " + ".join(f"{w:g} * {n}" for w, n in zip(weights, names))  # for error messages
+    return fn
+
+
+def reward_names(specs):
+    """A short, unique name per reward spec 'path/to/file.py:function': "file.function", and
+    "file.function_2", ... for repeats. Names contain no '/', so reward_extra/<name>/mean reads as one
+    function's mean."""
+    names = []
+    for spec in specs:
+        path, _, function = spec.partition(":")
+        base = f"{os.path.splitext(os.path.basename(path))[0]}.{function or 'compute_score'}"
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
+
+
+def load_reward_fns(specs, weights=None):
+    """The reward function for one or more --reward-fn specs: the loaded function itself for one
+    spec and no weights (as before), else weighted_reward over all of them, named by reward_names."""
+    if len(specs) == 1 and weights is None:
+        return load_reward_fn(specs[0])
+    return weighted_reward([load_reward_fn(s) for s in specs], weights, reward_names(specs))
 
 
 def response_text(tokenizer, ids, eos_ids):

@@ -1,4 +1,4 @@
-"""data_prep.py: GSM8K in verl's schema, and a loader that names the file, row and field at fault."""
+"""data_prep.py: GSM8K and MATH in verl's schema, and a loader that names the file, row and field at fault."""
 
 import json
 import os
@@ -70,6 +70,101 @@ def test_gsm8k_cli_names_a_missing_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data_prep.main(["gsm8k", "--input", str(tmp_path), "--out", str(tmp_path / "out")])
     assert "train.jsonl not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH
+
+MATH_EXAMPLES = [
+    {
+        "problem": "What is $1 \\div 2$?",
+        "solution": "Dividing, $1 \\div 2 = \\boxed{\\frac{1}{2}}$.",
+        "level": "Level 1",
+        "type": "Prealgebra",
+    },
+    {
+        "problem": "Solve $x^2 = 4$.",
+        "solution": "So $x = \\boxed{\\pm 2}$.",
+        "level": 2,
+    },  # MATH-500 writes levels as ints
+    {"problem": "Which set?", "solution": "First $\\boxed{1}$, then finally $\\boxed{\\{1,2\\}}$"},
+    {"problem": "How many?", "solution": "There are $\\boxed 5$ of them."},
+]
+
+
+def test_math_rows_are_verls_schema_with_the_last_boxed_answer(tmp_path):
+    src = write_jsonl(tmp_path / "test.jsonl", MATH_EXAMPLES)
+    rows = data_prep.math_rows(src, "test")
+    assert rows[0] == {
+        "data_source": "DigitalLearningGmbH/MATH-lighteval",
+        "prompt": [
+            {
+                "role": "user",
+                "content": "What is $1 \\div 2$? Let's think step by step and output the final answer within \\boxed{}.",
+            }
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},  # nested braces kept whole
+        "extra_info": {
+            "split": "test",
+            "index": 0,
+            "level": "Level 1",
+            "type": "Prealgebra",
+            "problem": MATH_EXAMPLES[0]["problem"],
+            "solution": MATH_EXAMPLES[0]["solution"],
+        },
+    }
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["\\frac{1}{2}", "\\pm 2", "\\{1,2\\}", "5"]
+    assert [r["extra_info"]["level"] for r in rows] == ["Level 1", "2", None, None]
+    # every reference solution earns full reward against its own ground truth
+    for row in rows:
+        assert (
+            compute_score(row["data_source"], row["extra_info"]["solution"], row["reward_model"]["ground_truth"])[
+                "score"
+            ]
+            == 1.0
+        )
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("{not json", "line 3: not valid JSON"),
+        (json.dumps(["a list"]), "line 3: expected a JSON object"),
+        (json.dumps({"problem": "q"}), "line 3: field 'solution' missing"),
+        (json.dumps({"problem": "q", "solution": "The answer is 4."}), "line 3: field 'solution' has no final answer"),
+        (json.dumps({"problem": "q", "solution": "$\\boxed{}$"}), "line 3: field 'solution' has no final answer"),
+        (json.dumps({"problem": "q", "solution": "$\\boxed{4$"}), "line 3: field 'solution' has no final answer"),
+    ],
+)
+def test_math_bad_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "train.jsonl"
+    good = json.dumps(MATH_EXAMPLES[0])
+    path.write_text(good + "\n\n" + line + "\n")  # the blank line 2 is skipped, and still counted
+    with pytest.raises(ValueError, match=message) as err:
+        data_prep.math_rows(str(path), "train")
+    assert str(path) in str(err.value)
+
+
+def test_math_cli_takes_a_file_or_a_directory(tmp_path, capsys):
+    data_dir = tmp_path / "MATH"
+    data_dir.mkdir()
+    write_jsonl(data_dir / "train.jsonl", MATH_EXAMPLES[:3])
+    write_jsonl(data_dir / "test.jsonl", MATH_EXAMPLES[3:])
+    data_prep.main(["math", "--input", str(data_dir), "--out", str(tmp_path / "out")])
+    train, test = (
+        load_dataset(str(tmp_path / "out" / "train.parquet")),
+        load_dataset(str(tmp_path / "out" / "test.parquet")),
+    )
+    assert (len(train), len(test)) == (3, 1) and test[0]["extra_info"]["split"] == "test"
+    # one file: its name is the split; --data-source names the rows in validation metrics
+    one = write_jsonl(tmp_path / "math500.jsonl", MATH_EXAMPLES)
+    data_prep.main(["math", "--input", one, "--out", str(tmp_path / "m500"), "--data-source", "HuggingFaceH4/MATH-500"])
+    (row, *_) = load_dataset(str(tmp_path / "m500" / "math500.parquet"))
+    assert row["data_source"] == "HuggingFaceH4/MATH-500" and row["extra_info"]["split"] == "math500"
+    with pytest.raises(SystemExit):
+        data_prep.main(["math", "--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert "train.jsonl and/or test.jsonl" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""reward.py: answer extraction as real model outputs write it, dispatch, custom reward files, and
-DAPO's overlong penalty."""
+"""reward.py: answer extraction as real model outputs write it, dispatch, custom reward files,
+several weighted rewards, --reward-errors, what a reward sees in extra_info, and DAPO's overlong
+penalty. (MATH's scorer has its own file, test_math_score.py.)"""
 
+import os
 import textwrap
 
 import pytest
@@ -12,9 +14,16 @@ from reward import (
     extract_gsm8k_answer,
     gsm8k_score,
     load_reward_fn,
+    load_reward_fns,
     overlong_penalty,
+    read_score,
+    reward_names,
     score_responses,
+    score_rows,
+    weighted_reward,
 )
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "rewards")
 
 # ----------------------------------------------------------------------------------------------
 # GSM8K
@@ -157,9 +166,158 @@ def test_builtin_sources_are_exactly_what_compute_score_dispatches():
     # data_prep.load_dataset(path, known_sources=BUILTIN_SOURCES) rejects rows at load time by
     # this set, so it must agree with the dispatch that scores them during training
     for source in BUILTIN_SOURCES:
-        assert compute_score(source, "1", "1") in (0.0, 1.0)  # scored, not raised
+        score, _ = read_score(compute_score(source, "1", "1"))  # a float, or MATH's {"score", "pred"}
+        assert score in (0.0, 1.0)  # scored, not raised
     with pytest.raises(ValueError, match="no built-in reward for data_source 'my/puzzles'.*--reward-fn"):
         compute_score("my/puzzles", "1", "1")
+
+
+# ----------------------------------------------------------------------------------------------
+# several reward functions with weights
+
+
+def correct(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "pred": solution_str}
+
+
+def short(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if len(solution_str) <= 2 else 0.0
+
+
+def test_weighted_reward_sums_and_logs_each_function():
+    fn = weighted_reward([correct, short], [1.0, 0.5], ["correct", "short"])
+    out = fn(data_source="x", solution_str="7", ground_truth="7", extra_info=None)
+    assert out == {"score": 1.5, "correct": 1.0, "correct/pred": "7", "short": 1.0}  # 1 * 1 + 0.5 * 1
+    scores, extras = score_responses(fn, ["x"] * 3, ["7", "8", "777"], ["7"] * 3)
+    assert scores == [1.5, 0.5, 0.0]
+    # the trainer logs each numeric key as reward_extra/<key>/mean: reward_extra/correct/mean, ...
+    assert extras == {"correct": [1.0, 0.0, 0.0], "correct/pred": ["7", "8", "777"], "short": [1.0, 1.0, 0.0]}
+    assert weighted_reward([correct, short])(data_source="x", solution_str="7", ground_truth="7")["score"] == 2.0
+
+
+def test_weighted_reward_checks_weights_and_names():
+    with pytest.raises(ValueError, match=r"1 reward weights \[1.0\] for 2 reward functions \['correct', 'short'\]"):
+        weighted_reward([correct, short], [1.0])
+    with pytest.raises(ValueError, match="distinct"):
+        weighted_reward([correct, correct])  # both named "correct"
+    with pytest.raises(ValueError, match="at least one"):
+        weighted_reward([])
+
+
+def test_weighted_reward_names_the_function_that_failed():
+    def broken(data_source, solution_str, ground_truth, extra_info=None):
+        return None
+
+    fn = weighted_reward([correct, broken], names=["correct", "broken"])
+    with pytest.raises(RewardError, match=r"sample 0 .*broken: ValueError: returned None"):
+        score_responses(fn, ["x"], ["7"], ["7"])
+
+
+def test_reward_names_from_specs_are_unique():
+    specs = ["a/format.py:f", "b/format.py:f", "length.py", "reward.py:compute_score"]
+    assert reward_names(specs) == ["format.f", "format.f_2", "length.compute_score", "reward.compute_score"]
+
+
+def test_load_reward_fns_one_spec_is_unchanged_several_are_weighted():
+    bonus = os.path.join(EXAMPLES, "format_bonus.py")
+    length = os.path.join(EXAMPLES, "length_aware.py") + ":compute_score"
+    assert load_reward_fns([bonus]).__name__ == "compute_score"  # the function itself, as before
+    fn = load_reward_fns([bonus, length], [1.0, 0.5])
+    info = {"response_length": 3, "truncated": False}
+    out = fn(data_source="x", solution_str=r"\boxed{5}", ground_truth="5", extra_info=info)
+    assert out == {"score": 1.5, "format_bonus.compute_score": 1.0, "length_aware.compute_score": 1.0}
+    with pytest.raises(ValueError, match="give one weight per --reward-fn"):
+        load_reward_fns([bonus, length], [1.0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the example reward files (examples/rewards/)
+
+
+def test_example_format_bonus():
+    fn = load_reward_fn(os.path.join(EXAMPLES, "format_bonus.py"))
+    assert fn("x", r"so \boxed{\frac{1}{\sqrt{2}}}.", "1") == 1.0
+    assert fn("x", r"\boxed{}", "1") == 0.0
+    assert fn("x", r"\boxed{1} and \boxed{2", "1") == 0.0  # cut off in its last box
+    assert fn("x", "the answer is 1", "1") == 0.0
+
+
+def test_example_length_aware_reads_length_and_truncation():
+    fn = load_reward_fn(os.path.join(EXAMPLES, "length_aware.py"))
+    score = lambda n, cut=False: fn("x", "...", "1", {"response_length": n, "truncated": cut})  # noqa: E731
+    assert [score(100), score(256), score(384), score(512), score(900)] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert score(100, cut=True) == 0.0
+    with pytest.raises(KeyError, match="response_length"):
+        fn("x", "...", "1", {"split": "train"})
+
+
+# ----------------------------------------------------------------------------------------------
+# --reward-errors
+
+
+def flaky(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "boom":
+        raise KeyError("missing_field")
+    if solution_str == "nan":
+        return float("nan")
+    if solution_str == "nodict":
+        return {"value": 1.0}
+    return {"score": 1.0, "acc": 1.0}
+
+
+def test_reward_errors_skip_scores_zero_marks_and_reports_once(capsys):
+    responses = ["ok", "boom", "nan", "nodict", "ok"]
+    scores, extras = score_responses(
+        flaky, ["ds/a"] * 4 + ["ds/b"], responses, ["1"] * 5, indices=range(10, 15), errors="skip"
+    )
+    assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert extras["reward_error"] == [0.0, 1.0, 1.0, 1.0, 0.0]  # mean: the error fraction; sum: the count
+    assert extras["acc"] == [1.0, None, None, None, 1.0]  # a skipped sample reports no extra keys
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1  # one line per batch, not one per sample
+    assert "3 of 5 samples scored 0" in err[0] and "sample 11 (data_source='ds/a')" in err[0]
+    assert "KeyError" in err[0] and "missing_field" in err[0]
+
+
+def test_reward_errors_raise_is_the_default_and_skip_without_errors_is_quiet(capsys):
+    with pytest.raises(RewardError, match="sample 1"):
+        score_responses(flaky, ["ds"] * 2, ["ok", "boom"], ["1"] * 2)
+    scores, extras = score_responses(flaky, ["ds"] * 2, ["ok", "ok"], ["1"] * 2, errors="skip")
+    assert scores == [1.0, 1.0] and extras["reward_error"] == [0.0, 0.0]
+    assert capsys.readouterr().err == ""
+    assert "reward_error" not in score_responses(flaky, ["ds"], ["ok"], ["1"])[1]  # raise: no such column
+    with pytest.raises(ValueError, match="'raise' or 'skip'"):
+        score_responses(flaky, ["ds"], ["ok"], ["1"], errors="ignore")
+
+
+# ----------------------------------------------------------------------------------------------
+# what a reward sees in extra_info
+
+
+def seen(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.0, "info": extra_info}
+
+
+def test_score_rows_adds_response_fields_to_a_copy_of_extra_info():
+    row = {"data_source": "x", "reward_model": {"ground_truth": "1"}, "extra_info": {"split": "train", "index": 3}}
+    bare = {"data_source": "x", "reward_model": {"ground_truth": "1"}}  # no extra_info at all
+    rows = [row, row, bare]  # a prompt's samples share one row dict, as in the trainer
+    ids = [[5, 6, 2], [7], []]
+    _, extras = score_rows(seen, rows, ["a", "b", "c"], response_ids=ids, truncated=[False, True, False])
+    infos = extras["info"]
+    assert infos[0] == {
+        "split": "train",
+        "index": 3,
+        "response_ids": [5, 6, 2],
+        "response_length": 3,
+        "truncated": False,
+    }
+    assert infos[1] == {"split": "train", "index": 3, "response_ids": [7], "response_length": 1, "truncated": True}
+    assert infos[2] == {"response_ids": [], "response_length": 0, "truncated": False}
+    assert row["extra_info"] == {"split": "train", "index": 3} and "extra_info" not in bare  # rows unchanged
+    # without them, the reward gets the row's own extra_info, as before
+    _, extras = score_rows(seen, [row, bare], ["a", "b"])
+    assert extras["info"][0] is row["extra_info"] and extras["info"][1] is None
 
 
 # ----------------------------------------------------------------------------------------------
