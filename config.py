@@ -34,7 +34,22 @@ class Args:
     out_dir: str = "runs/grpo"
     """Run directory: config.json, metrics.jsonl, samples/ and the final model."""
     reward_fn: str = ""
-    """Custom reward, path/to/file.py:function_name (verl's signature); empty: reward.compute_score."""
+    """Custom reward, path/to/file.py:function_name (verl's signature); empty: reward.compute_score. Repeat
+    the flag (or separate with commas) for several, summed with --reward-weights."""
+    reward_weights: str = ""
+    """Comma-separated weights, one per --reward-fn (TRL's reward_weights); empty: all 1. Each function's
+    score is logged as reward_extra/<file>.<function>/mean."""
+    reward_errors: str = "raise"
+    """A reward function that raises or returns no number: raise stops the run naming the sample; skip
+    scores that sample 0, warns, and counts it in reward/errors."""
+    reward_model: str = ""
+    """A learned reward model (reward_model.py): a Hugging Face sequence classifier with one output,
+    which scores (prompt, response) with its own chat template; empty: none."""
+    reward_model_weight: float = 1.0
+    """The reward is the rule reward + this x the reward model's score."""
+    reward_model_only: bool = False
+    """The reward is this weight x the reward model's score alone; the rule reward is still logged
+    (reward_extra/rule/mean) and still scores validation."""
     seed: int = 0
     """Seed for data order, sampling and the tiny model."""
     # --- schedule
@@ -74,7 +89,8 @@ class Args:
     """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
     per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu)."""
     lr: float = 1e-6
-    """Peak AdamW learning rate (0 freezes the policy: a baseline or a test)."""
+    """Peak AdamW learning rate (0 freezes the policy: a baseline or a test). With --lora-rank, about 10x
+    what full fine-tuning would use."""
     lr_schedule: str = "constant"
     """constant or cosine, after warmup."""
     warmup_steps: int = 0
@@ -214,6 +230,7 @@ def field_docs(cls):
 # Flags with a fixed set of values: exactly those the code consumes (rollout.make_engine,
 # train_grpo.lr_factor, loss.agg_loss, loss.kl_penalty). --help lists them; argparse refuses anything else.
 CHOICES = dict(
+    reward_errors=("raise", "skip"),
     adv_estimator=ADV_ESTIMATORS,
     loss_mode=LOSS_MODES,
     rollout=("auto", "vllm", "hf"),
@@ -243,10 +260,19 @@ def check_args(args, world=1):
         (not a.train_data or os.path.exists(a.train_data), f"--train-data {a.train_data}: no such file or directory"),
         (not a.val_data or os.path.exists(a.val_data), f"--val-data {a.val_data}: no such file or directory"),
         (a.out_dir != "", "--out-dir must not be empty"),
+        *[
+            (
+                os.path.isfile(spec.partition(":")[0]),
+                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
+            )
+            for spec in reward_specs(a)
+        ],
         (
-            not a.reward_fn or os.path.isfile(a.reward_fn.partition(":")[0]),
-            f"--reward-fn {a.reward_fn}: no such file {a.reward_fn.partition(':')[0]!r}; expected path/to/file.py:function_name",
+            not a.reward_weights or len(reward_weights(a) or []) == len(reward_specs(a)) > 0,
+            f"--reward-weights {a.reward_weights}: expected one number per --reward-fn ({len(reward_specs(a))} given)",
         ),
+        (not a.reward_model or os.path.isdir(a.reward_model), f"--reward-model {a.reward_model}: no such directory"),
+        (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
         (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
         # ---- schedule
         (a.epochs >= 1, f"--epochs must be >= 1, got {a.epochs}"),
@@ -383,6 +409,28 @@ def loggers(args):
     return [name.strip() for name in args.logger.split(",") if name.strip()]
 
 
+def reward_specs(args):
+    """--reward-fn a.py:f --reward-fn b.py:g (or a.py:f,b.py:g) -> ["a.py:f", "b.py:g"]."""
+    return [spec.strip() for spec in args.reward_fn.split(",") if spec.strip()]
+
+
+def reward_weights(args):
+    """--reward-weights 1,0.5 -> [1.0, 0.5]; None when not given or not numbers (check_args says so)."""
+    try:
+        weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
+    except ValueError:
+        return None
+    return weights if weights and all(math.isfinite(w) for w in weights) else None
+
+
+class Append(argparse.Action):
+    """A flag that may be repeated: its values are joined with commas into one string field."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        before = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, f"{before},{value}" if before else value)
+
+
 def allowed_changes(args):
     """--allow-changed lr,kl-coef -> {"lr", "kl_coef"}."""
     return {name.strip().lstrip("-").replace("-", "_") for name in args.allow_changed.split(",") if name.strip()}
@@ -403,6 +451,8 @@ def parse_args(argv=None):
         flag, help_text = "--" + f.name.replace("_", "-"), f"{docs[f.name]} (default: {f.default})"
         if f.type is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.name == "reward_fn":
+            parser.add_argument(flag, action=Append, default=f.default, help=help_text)
         else:
             parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text)
     args = Args(**vars(parser.parse_args(argv)))

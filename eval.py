@@ -81,8 +81,11 @@ def prompt_metrics(scores, preds=None, full_score=1.0, seed=42):
 def validation_metrics(data_sources, scores, group_size, preds=None, seed=42):
     """verl-named metrics per data source from prompt-major samples (each prompt's n adjacent)."""
     by_source = defaultdict(list)
+    # maj@k for the sources whose reward gives a pred (a response without an answer: None, a vote like
+    # any other); not for a source whose reward gives none (GSM8K's float beside MATH's dict)
+    voting = {s for s, p in zip(data_sources, preds or []) if p is not None}
     for i in range(0, len(scores), group_size):
-        group_preds = None if preds is None else preds[i : i + group_size]
+        group_preds = preds[i : i + group_size] if data_sources[i] in voting else None
         by_source[data_sources[i]].append(prompt_metrics(scores[i : i + group_size], group_preds, seed=seed))
     metrics = {}
     for source, rows in sorted(by_source.items()):
@@ -201,6 +204,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
+    from config import Append, reward_specs, reward_weights  # the trainer's reading of --reward-fn/--reward-weights
+
     # no abbreviations: a misspelt flag is an error, not silently some other flag
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
@@ -225,7 +230,15 @@ def main(argv=None):
         choices=("auto", "vllm", "hf"),
         help="generation engine (rollout.make_engine); auto: vllm when importable",
     )
-    parser.add_argument("--reward-fn", default="", help="path/to/file.py:function_name; empty: reward.compute_score")
+    parser.add_argument(
+        "--reward-fn",
+        action=Append,
+        default="",
+        help="path/to/file.py:function_name; repeat for several (summed with --reward-weights); empty: reward.compute_score",
+    )
+    parser.add_argument(
+        "--reward-weights", default="", help="comma-separated weights, one per --reward-fn; empty: all 1"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed, >= 0")
     parser.add_argument(
         "--verbose",
@@ -251,6 +264,14 @@ def main(argv=None):
             f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}",
         ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+        *[
+            (os.path.isfile(spec.partition(":")[0]), f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}")
+            for spec in reward_specs(args)
+        ],
+        (
+            not args.reward_weights or len(reward_weights(args) or []) == len(reward_specs(args)) > 0,
+            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(reward_specs(args))} given)",
+        ),
     ]
     problems = [message for ok, message in rules if not ok]
     if problems:
@@ -260,7 +281,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
-    from reward import BUILTIN_SOURCES, compute_score, load_reward_fn
+    from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import check_model_path, make_engine, stop_token_ids
 
     distributed = "RANK" in os.environ
@@ -295,7 +316,7 @@ def main(argv=None):
     engine = make_engine(
         args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed, verbose=args.verbose
     )
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
+    reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
     metrics, _ = validate(
         engine,
         rows,

@@ -4,6 +4,7 @@
     python models.py smollm2 --out models/smollm2            # SmolLM2-135M-Instruct: pretrained, real chat model
     python models.py random --like ../shared/models/qwen2.5-0.5b-instruct --out models/qwen-tiny \\
         --hidden-size 128 --layers 2 --heads 2 --kv-heads 1  # a real config and tokenizer, random weights
+    python models.py random --like runs/grpo/tiny_model --out models/tiny-rm --reward-model   # a random reward model
 
 Each writes a normal model directory (safetensors, config.json, generation_config.json, the
 tokenizer with its chat template) that transformers, vLLM and `train_grpo.py --model DIR` load.
@@ -180,10 +181,11 @@ def build_smollm2(out_dir, gguf_path=None):
 # random: a real config and tokenizer with random weights
 
 
-def build_random_model(out_dir, like, seed=0, **overrides):
+def build_random_model(out_dir, like, seed=0, reward_model=False, **overrides):
     """Random-init model of the config in directory `like` (with `overrides` applied, e.g.
-    hidden_size=128), saved with that directory's tokenizer and generation config; returns `out_dir`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    hidden_size=128), saved with that directory's tokenizer and generation config; returns `out_dir`.
+    reward_model: a sequence classifier with one output instead (for --reward-model's tests)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     if not os.path.isfile(os.path.join(like, "config.json")):
         raise FileNotFoundError(f"{like}: not a model directory (no config.json there)")
@@ -196,9 +198,12 @@ def build_random_model(out_dir, like, seed=0, **overrides):
         fields.pop("layer_types", None)  # one per layer: rebuilt from the new count
     fields.pop("torch_dtype", None)  # transformers 5 calls it dtype
     fields["dtype"] = "float32"
+    if reward_model:
+        fields["num_labels"] = 1
     config = AutoConfig.for_model(**fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(like, "generation_config.json")):
@@ -225,6 +230,7 @@ def build(args):
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         intermediate_size=args.intermediate_size,
+        reward_model=args.reward_model,
     )
 
 
@@ -257,6 +263,9 @@ if __name__ == "__main__":
     rand.add_argument("--kv-heads", type=int, default=None, help="override num_key_value_heads")
     rand.add_argument("--intermediate-size", type=int, default=None, help="override intermediate_size")
     rand.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+    rand.add_argument(
+        "--reward-model", action="store_true", help="a sequence classifier with one output (for --reward-model)"
+    )
     args = parser.parse_args()
     try:
         out = build(args)

@@ -39,8 +39,9 @@ import checkpoint
 import data_prep
 import health
 import lora
+import reward_model
 from advantage import compute_advantages
-from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args
+from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args, reward_specs, reward_weights
 from distributed import all_gather, all_sum, all_sum_tensor, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
@@ -55,7 +56,7 @@ from policy import (
     sync_weights,
     window,
 )
-from reward import BUILTIN_SOURCES, compute_score, load_reward_fn, overlong_penalty, response_text, score_rows
+from reward import BUILTIN_SOURCES, compute_score, load_reward_fns, overlong_penalty, response_text, score_rows
 from rollout import Rollout, check_model_path, make_engine, sampling_seeds, stop_token_ids
 from run_log import (
     RunLog,
@@ -200,7 +201,27 @@ def step_prompts(train_rows, step, batch, args, rank, world):
     return order[first : first + local], rank * local
 
 
-def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward_fn, eos_ids, timing):
+def score_samples(reward, samples, texts, out, first, args, device):
+    """The rewards of one generation batch on this rank: the reward functions (which also see each
+    response's token ids and whether it was cut off), plus the reward model's score (--reward-model),
+    plus DAPO's overlong punishment. `reward` is (reward function, (reward model, its tokenizer) or None).
+    Returns (scores, extras: the logged parts, one value per sample)."""
+    reward_fn, rm = reward
+    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors)
+    scores, extras = score_rows(reward_fn, samples, texts, first=first, **kw)
+    if rm is not None:  # reward = rule + w x model, or w x model alone
+        extras["rule"] = scores
+        extras["reward_model"] = reward_model.score(*rm, samples, texts, args.micro_batch_size, device)
+        w = args.reward_model_weight
+        scores = [w * m + (0.0 if args.reward_model_only else s) for s, m in zip(scores, extras["reward_model"])]
+    if args.overlong_buffer_len > 0:  # DAPO: long responses lose up to the factor, linearly
+        limits = (args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor)
+        extras["overlong_penalty"] = overlong_penalty([len(ids) for ids in out.response_ids], *limits)
+        scores = [s + p for s, p in zip(scores, extras["overlong_penalty"])]
+    return scores, extras
+
+
+def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward, eos_ids, timing, device):
     """This step's samples on this rank: n responses to each of its prompts, seeded by the prompt's
     place in the global batch, their texts and rewards (with the overlong punishment, if on).
 
@@ -223,11 +244,8 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
         with timed(timing, "reward"):
             samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
             texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-            scores, extras = score_rows(reward_fn, samples, texts, first=(step * args.prompt_batch_size + first) * n)
-            if args.overlong_buffer_len > 0:  # DAPO: long responses lose up to the factor, linearly
-                limits = (args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor)
-                extras["overlong_penalty"] = overlong_penalty([len(ids) for ids in out.response_ids], *limits)
-                scores = [s + p for s, p in zip(scores, extras["overlong_penalty"])]
+            place = (step * args.prompt_batch_size + first) * n  # for error messages: the sample's place in the batch
+            scores, extras = score_samples(reward, samples, texts, out, place, args, device)
         if not args.filter_groups:
             return rows, out, texts, scores, extras, {}
         # every rank's samples, as columns in global order, added to those of earlier batches
@@ -376,7 +394,7 @@ def main():
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(stop_token_ids(args.model))
     train_rows, val_rows = load_data(args, tokenizer)
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else compute_score
+    reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine, engine_dtype = start_engine(args, world, device)
@@ -385,6 +403,7 @@ def main():
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
     policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, args.kl_coef > 0, lora_args)
+    rm = reward_model.load_reward_model(args.reward_model, mesh, device) if args.reward_model else None
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
@@ -418,7 +437,8 @@ def main():
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ)
-        groups = collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward_fn, eos_ids, timing)
+        reward = (reward_fn, rm)
+        groups = collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward, eos_ids, timing, device)
         rows, out, texts, scores, extras, filter_metrics = groups
         checkpoint.crash_point("rollout", step)
         samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
@@ -461,6 +481,8 @@ def main():
         metrics.update(rollout_metrics(scores, adv_values, mask, prompt_lens, out.truncated, extras, args.group_size))
         if skipped:
             metrics["actor/skipped_updates"] = skipped
+        if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
+            metrics["reward/errors"] = all_sum(sum(extras["reward_error"]), device)
         if args.engine_logprobs:
             metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask))
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})

@@ -56,6 +56,16 @@ def test_validation_metrics_are_named_like_verl_and_split_by_source():
     assert [k for k in metrics if k.startswith("val-core")] == ["val-core/a/reward/mean@2", "val-core/b/reward/mean@2"]
 
 
+def test_maj_is_voted_only_where_the_reward_gives_a_pred():
+    """A validation set mixing MATH (math_score gives a pred) with GSM8K (a float, no pred): the GSM8K
+    prompts get no maj@k voted over Nones, the MATH ones get theirs."""
+    sources = ["math"] * 4 + ["gsm8k"] * 4
+    scores, preds = [1, 0, 0, 0, 1, 0, 0, 0], ["1", "2", "3", "3", None, None, None, None]
+    metrics = validation_metrics(sources, scores, group_size=4, preds=preds)
+    assert any(k.startswith("val-aux/math/reward/maj@") for k in metrics)
+    assert not any(k.startswith("val-aux/gsm8k/reward/maj@") for k in metrics)
+
+
 def test_samples_table_is_one_readable_line_per_sample():
     long_prompt = "a" * 100 + " How many apples?"
     table = samples_table(

@@ -1,0 +1,74 @@
+"""A learned reward model: a Hugging Face AutoModelForSequenceClassification with one logit, which
+scores a (prompt, response) conversation rendered with the reward model's own tokenizer and chat
+template (its vocabulary need not be the policy's). verl's reward_model, TRL's reward model in
+reward_funcs.
+
+    --reward-model DIR --reward-model-weight 0.5      # reward = rule reward + 0.5 x the model's score
+    --reward-model DIR --reward-model-weight 1 --reward-model-only     # the model's score alone
+
+It is sharded with FSDP2 like the policy, frozen, and runs on every rank in micro-batches over that
+rank's samples. Its raw logit is the score: no squashing, so mind its scale against the rule reward.
+"""
+
+import torch
+
+from policy import shard
+
+
+def load_reward_model(path, mesh, device):
+    """(FSDP2-sharded frozen model, its tokenizer) from a directory saved by save_pretrained."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reward-model {path}: cannot load a sequence classification model from it ({e})") from None
+    if model.config.num_labels != 1:
+        raise SystemExit(
+            f"--reward-model {path}: a reward model has one output (num_labels 1), this one has {model.config.num_labels}"
+        )
+    # We left-pad, so every conversation ends at the last position. transformers reads the score at
+    # the rightmost token that is not the pad id; a pad id no token has makes that the last position
+    # even when a conversation ends with the pad token itself (pad = eos is common).
+    model.config.pad_token_id = -1
+    model.requires_grad_(False).eval()
+    return shard(model.to(device), mesh, device.type == "cuda"), tokenizer
+
+
+def render(tokenizer, messages, response):
+    """The conversation's token ids as the reward model reads it: its chat template with the
+    response as the assistant's turn, or, for a tokenizer without one, the texts one per line."""
+    conversation = [*messages, {"role": "assistant", "content": response}]
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in conversation)
+    return tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+
+
+@torch.no_grad()
+def score(model, tokenizer, rows, texts, micro_batch_size, device):
+    """One float per (row, response text): rows are verl-schema rows (their "prompt" messages),
+    texts the decoded responses. Every rank calls it with the same number of samples (FSDP2 runs
+    the same micro-batches on all ranks). Conversations longer than the model's context keep their end."""
+    limit = getattr(model.config, "max_position_embeddings", None) or 10**9
+    ids = [render(tokenizer, row["prompt"], text)[-limit:] for row, text in zip(rows, texts)]
+    out = []
+    for i in range(0, len(ids), micro_batch_size):
+        chunk = ids[i : i + micro_batch_size]
+        width = max(map(len, chunk))
+        input_ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, seq in enumerate(chunk):  # left-padded: [pad.. conversation]
+            input_ids[j, width - len(seq) :] = torch.tensor(seq)
+            mask[j, width - len(seq) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=position_ids.to(device),
+            use_cache=False,
+        ).logits  # [b, 1]
+        out.extend(logits[:, 0].float().cpu().tolist())
+    return out

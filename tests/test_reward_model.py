@@ -1,0 +1,105 @@
+"""reward_model.py: a sequence classifier scores (prompt, response) with its own chat template; the
+score of a conversation does not depend on what else is in its micro-batch."""
+
+import pytest
+import torch
+
+import data_prep
+import reward_model
+from models import build_random_model, build_tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def rm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    build_tiny_model(root / "tiny", data_prep.TASK_WORDS)
+    path = build_random_model(str(root / "rm"), str(root / "tiny"), seed=1, reward_model=True)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    model.config.pad_token_id = -1  # what load_reward_model sets: the score is read at the last position
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def test_score_is_the_logit_at_the_end_of_the_rendered_conversation(rm):
+    model, tok = rm
+    rows = [{"prompt": [{"role": "user", "content": "list 1 2 3 4 5 6 last"}]}] * 3
+    texts = ["6", "1 2", "6 6 6 6 6"]
+    scores = reward_model.score(model, tok, rows, texts, micro_batch_size=3, device=CPU)
+    for row, text, s in zip(rows, texts, scores):
+        ids = reward_model.render(tok, row["prompt"], text)
+        assert tok.decode(ids).rstrip().endswith(text + " <|end|>") or text in tok.decode(ids)
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        assert s == pytest.approx(alone, abs=1e-5)  # left padding in a batch changed nothing
+    one_by_one = reward_model.score(model, tok, rows, texts, micro_batch_size=1, device=CPU)
+    assert one_by_one == pytest.approx(scores, abs=1e-5)
+    assert len(set(round(s, 4) for s in scores)) == 3  # a random head still tells them apart
+
+
+def test_a_model_with_more_than_one_output_is_refused(tmp_path):
+    build_tiny_model(tmp_path / "tiny", data_prep.TASK_WORDS)
+    with pytest.raises(SystemExit, match="not a model directory|cannot load"):
+        reward_model.load_reward_model(str(tmp_path / "missing"), None, CPU)
+
+
+# ----------------------------------------------------------------------------------------------
+# in the trainer
+
+FLAKY = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if "7" in solution_str:
+        raise ConnectionError("the checker is down")
+    return 1.0
+"""
+RUN = "--rollout hf --max-steps 2 --prompt-batch-size 16 --mini-batch-size 16 --group-size 4 --test-freq -1 --save-freq -1"
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm_dir")
+    build_tiny_model(root / "tiny", data_prep.TASK_WORDS)
+    return build_random_model(str(root / "rm"), str(root / "tiny"), seed=1, reward_model=True)
+
+
+@pytest.mark.slow
+def test_the_reward_is_the_weighted_functions_plus_the_reward_model(tmp_path, rm_dir):
+    from conftest import metrics, run_script
+
+    flags = ["--reward-fn", "reward.py:compute_score", "--reward-fn", "examples/rewards/length_aware.py"]
+    flags += ["--reward-weights", "1,0.25", "--reward-model", rm_dir, "--reward-model-weight", "0.1"]
+    run_script("--out-dir", str(tmp_path), *RUN.split(), *flags, ranks=2)
+    for r in metrics(tmp_path)[1:]:
+        rule, model = r["reward_extra/rule/mean"], r["reward_extra/reward_model/mean"]
+        assert model != 0 and r["critic/score/mean"] == pytest.approx(rule + 0.1 * model, abs=1e-6)
+        parts = r["reward_extra/reward.compute_score/mean"], r["reward_extra/length_aware.compute_score/mean"]
+        # length_aware read extra_info: 0 for a response cut at the limit, else 1 (4 tokens are within its budget)
+        assert parts[1] == pytest.approx(1 - r["response_length/clip_ratio"], abs=1e-6)
+        assert rule == pytest.approx(parts[0] + 0.25 * parts[1], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_reward_errors_skip_counts_and_raise_names_the_sample(tmp_path):
+    from conftest import REPO, metrics, run_script
+
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text(FLAKY)
+    run_script("--out-dir", str(tmp_path / "skip"), *RUN.split(), "--reward-fn", str(flaky), "--reward-errors", "skip")
+    rows = metrics(tmp_path / "skip")[1:]
+    assert sum(r["reward/errors"] for r in rows) > 0  # the random demo model writes a 7 now and then
+    for r in rows:  # every failed sample scored 0, every other 1
+        assert r["critic/score/mean"] == pytest.approx(1 - r["reward/errors"] / 64)
+        assert r["reward_extra/reward_error/mean"] == pytest.approx(r["reward/errors"] / 64)
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
+    cmd += ["--out-dir", str(tmp_path / "raise"), *RUN.split(), "--reward-fn", str(flaky)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert (
+        proc.returncode != 0
+        and "raised on sample" in proc.stderr
+        and "ConnectionError: the checker is down" in proc.stderr
+    )
