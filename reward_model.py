@@ -36,15 +36,16 @@ def load_reward_model(path, mesh, device):
     return shard(model.to(device), mesh, device.type == "cuda"), tokenizer
 
 
-def render(tokenizer, messages, response):
-    """The conversation's token ids as the reward model reads it: its chat template with the
-    response as the assistant's turn, or, for a tokenizer without one, the texts one per line."""
-    conversation = [*messages, {"role": "assistant", "content": response}]
+def render(tokenizer, rows, texts):
+    """Token ids of each conversation as the reward model reads it: its chat template with the
+    response as the assistant's turn, or, for a tokenizer without one, the texts one per line.
+    All at once: the template and the tokenizer are several times faster on a batch than one by one."""
+    conversations = [[*row["prompt"], {"role": "assistant", "content": text}] for row, text in zip(rows, texts)]
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        strings = tokenizer.apply_chat_template(conversations, tokenize=False)
     else:
-        text = "\n".join(m["content"] for m in conversation)
-    return tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+        strings = ["\n".join(m["content"] for m in c) for c in conversations]
+    return tokenizer(strings, add_special_tokens=not tokenizer.chat_template)["input_ids"]
 
 
 @torch.no_grad()
@@ -53,7 +54,7 @@ def score(model, tokenizer, rows, texts, micro_batch_size, device):
     texts the decoded responses. Every rank calls it with the same number of samples (FSDP2 runs
     the same micro-batches on all ranks). Conversations longer than the model's context keep their end."""
     limit = getattr(model.config, "max_position_embeddings", None) or 10**9
-    ids = [render(tokenizer, row["prompt"], text)[-limit:] for row, text in zip(rows, texts)]
+    ids = [seq[-limit:] for seq in render(tokenizer, rows, texts)]
     out = []
     for i in range(0, len(ids), micro_batch_size):
         chunk = ids[i : i + micro_batch_size]

@@ -5,7 +5,8 @@
 The reward model is the tiny demo model's config with a one-output classification head, random
 weights (models.build_random_model(..., reward_model=True)): the same size as the policy. Each
 round runs the demo (`torchrun --nproc_per_node=1 train_grpo.py`, no validation, no checkpoints)
-without it, then with `--reward-model`; the order alternates between rounds. Printed: the median
+without it, then with `--reward-model` at weight 0 (it runs, but the runs stay identical); the order
+alternates between rounds. Printed: the median
 over steps 2.. of timing_s/step and timing_s/reward per run, and the ratio of the medians of the
 two settings. Run it on an otherwise idle machine.
 """
@@ -40,7 +41,9 @@ def main():
     args = parser.parse_args()
     tiny = build_tiny_model(os.path.join(args.out_dir, "tiny"), data_prep.TASK_WORDS)
     rm = build_random_model(os.path.join(args.out_dir, "rm"), tiny, seed=1, reward_model=True)
-    settings = {"without": [], "with": ["--reward-model", rm, "--reward-model-weight", "0.1"]}
+    # weight 0: the model scores every sample (and is logged) but leaves the reward as it is, so both
+    # settings train the same policy on the same samples and differ by the model's cost alone
+    settings = {"without": [], "with": ["--reward-model", rm, "--reward-model-weight", "0"]}
     results = {name: [] for name in settings}
     for r in range(args.rounds):
         for name in list(settings)[:: 1 if r % 2 == 0 else -1]:

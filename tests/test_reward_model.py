@@ -29,7 +29,7 @@ def test_score_is_the_logit_at_the_end_of_the_rendered_conversation(rm):
     texts = ["6", "1 2", "6 6 6 6 6"]
     scores = reward_model.score(model, tok, rows, texts, micro_batch_size=3, device=CPU)
     for row, text, s in zip(rows, texts, scores):
-        ids = reward_model.render(tok, row["prompt"], text)
+        ids = reward_model.render(tok, [row], [text])[0]
         assert tok.decode(ids).rstrip().endswith(text + " <|end|>") or text in tok.decode(ids)
         with torch.no_grad():
             alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
