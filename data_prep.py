@@ -41,9 +41,9 @@ from reward import MATH_SOURCES, last_boxed
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
-def gsm8k_rows(jsonl_path, split):
-    """Read one GSM8K jsonl file into rows of verl's schema (the same as verl's gsm8k.py)."""
-    rows = []
+def jsonl_examples(jsonl_path, fields):
+    """Yields ("<file>, line N", the line's JSON object) for each non-blank line, checked to be an
+    object whose `fields` are strings; a bad line is a ValueError naming the file, line and field."""
     with open(jsonl_path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -53,26 +53,35 @@ def gsm8k_rows(jsonl_path, split):
                 example = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from e
-            for field in ("question", "answer"):
+            if not isinstance(example, dict):
+                raise ValueError(f"{where}: expected a JSON object with {list(fields)}, got {example!r:.80}")
+            for field in fields:
                 if not isinstance(example.get(field), str):
                     raise ValueError(f"{where}: field {field!r} missing or not a string")
-            final = re.search(r"#### (-?[0-9.,]+)", example["answer"])
-            if final is None:
-                raise ValueError(f"{where}: field 'answer' has no final '#### <number>' line")
-            rows.append(
-                {
-                    "data_source": "openai/gsm8k",
-                    "prompt": [{"role": "user", "content": example["question"] + " " + GSM8K_INSTRUCTION}],
-                    "ability": "math",
-                    "reward_model": {"style": "rule", "ground_truth": final.group(1).replace(",", "")},
-                    "extra_info": {
-                        "split": split,
-                        "index": len(rows),
-                        "answer": example["answer"],
-                        "question": example["question"],
-                    },
-                }
-            )
+            yield where, example
+
+
+def gsm8k_rows(jsonl_path, split):
+    """Read one GSM8K jsonl file into rows of verl's schema (the same as verl's gsm8k.py)."""
+    rows = []
+    for where, example in jsonl_examples(jsonl_path, ("question", "answer")):
+        final = re.search(r"#### (-?[0-9.,]+)", example["answer"])
+        if final is None:
+            raise ValueError(f"{where}: field 'answer' has no final '#### <number>' line")
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": example["question"] + " " + GSM8K_INSTRUCTION}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": final.group(1).replace(",", "")},
+                "extra_info": {
+                    "split": split,
+                    "index": len(rows),
+                    "answer": example["answer"],
+                    "question": example["question"],
+                },
+            }
+        )
     return rows
 
 
@@ -90,43 +99,30 @@ def math_rows(jsonl_path, split, data_source=MATH_SOURCE):
     """Read one MATH-format jsonl file into rows of verl's schema (the same as verl's
     math_dataset.py, plus the problem, solution, level and type in extra_info)."""
     rows = []
-    with open(jsonl_path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{jsonl_path}, line {line_no}"
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from e
-            if not isinstance(example, dict):
-                raise ValueError(f"{where}: expected a JSON object with 'problem' and 'solution', got {example!r:.80}")
-            for field in ("problem", "solution"):
-                if not isinstance(example.get(field), str):
-                    raise ValueError(f"{where}: field {field!r} missing or not a string")
-            answer = last_boxed(example["solution"])
-            if not answer:
-                raise ValueError(
-                    f"{where}: field 'solution' has no final answer in \\boxed{{...}} (the last \\boxed is missing, "
-                    f"empty or unclosed): ...{example['solution'][-80:]!r}"
-                )
-            # level/type as text: MATH writes "Level 5", MATH-500 writes 5, and a parquet column has one type
-            optional = {k: None if example.get(k) is None else str(example[k]) for k in ("level", "type")}
-            rows.append(
-                {
-                    "data_source": data_source,
-                    "prompt": [{"role": "user", "content": example["problem"] + " " + MATH_INSTRUCTION}],
-                    "ability": "math",
-                    "reward_model": {"style": "rule", "ground_truth": answer},
-                    "extra_info": {
-                        "split": split,
-                        "index": len(rows),
-                        **optional,
-                        "problem": example["problem"],
-                        "solution": example["solution"],
-                    },
-                }
+    for where, example in jsonl_examples(jsonl_path, ("problem", "solution")):
+        answer = last_boxed(example["solution"])
+        if not answer:
+            raise ValueError(
+                f"{where}: field 'solution' has no final answer in \\boxed{{...}} (the last \\boxed is missing, "
+                f"empty or unclosed): ...{example['solution'][-80:]!r}"
             )
+        # level/type as text: MATH writes "Level 5", MATH-500 writes 5, and a parquet column has one type
+        optional = {k: None if example.get(k) is None else str(example[k]) for k in ("level", "type")}
+        rows.append(
+            {
+                "data_source": data_source,
+                "prompt": [{"role": "user", "content": example["problem"] + " " + MATH_INSTRUCTION}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": answer},
+                "extra_info": {
+                    "split": split,
+                    "index": len(rows),
+                    **optional,
+                    "problem": example["problem"],
+                    "solution": example["solution"],
+                },
+            }
+        )
     if not rows:
         raise ValueError(f"{jsonl_path}: no rows")
     return rows
