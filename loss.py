@@ -52,6 +52,71 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _HeadLogProbEntropy(torch.autograd.Function):
+    """The chosen tokens' log-probs and the entropies, straight from the final hidden states and
+    the LM head's weight, `chunk` tokens at a time: z = h W^T / temp exists for one chunk of
+    tokens at a time, in the forward and again (recomputed) in the backward, never for the whole
+    batch. With a 151,936-row vocabulary the logits of a batch outweigh the model's activations.
+
+        logp = z[label] - logsumexp(z)            H = logsumexp(z) - sum_j p_j z_j,   p = softmax(z)
+        d logp / d z = onehot(label) - p         dH / d z = -p * (log p + H)
+
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N]), fp32 (the matmul runs in
+    the inputs' dtype, the softmax in fp32). The entropy's backward runs only if the loss uses it.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, chunk):
+        ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
+        n = labels.shape[0]
+        logp, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        for s in range(0, n, chunk):
+            c = slice(s, s + chunk)
+            z = (hidden[c] @ weight.T).float() / temperature  # [c, V]
+            lse[c] = torch.logsumexp(z, -1)
+            logp[c] = z.gather(-1, labels[c, None]).squeeze(-1) - lse[c]
+            entropy[c] = lse[c] - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        for s in range(0, labels.shape[0], ctx.chunk):
+            c = slice(s, s + ctx.chunk)
+            log_p = (hidden[c] @ weight.T).float() / ctx.temperature - lse[c, None]  # [c, V]
+            p = log_p.exp()
+            g = torch.zeros_like(p)
+            if g_logp is not None:
+                g -= p * g_logp[c, None].float()
+                g.scatter_add_(-1, labels[c, None], g_logp[c, None].float())
+            if g_entropy is not None:
+                g -= p * (log_p + entropy[c, None]) * g_entropy[c, None].float()
+            g = (g / ctx.temperature).to(hidden.dtype)  # d loss / d (h W^T)
+            if want_h:
+                grad_h[c] = g @ weight  # [c, V] @ [V, H]
+            if want_w:
+                grad_w += (g.T @ hidden[c]).float()  # [V, c] @ [c, H]
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, chunk=None):
+    """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
+    with the LM head a chunk of tokens at a time (_HeadLogProbEntropy): hidden [B, T, H], weight
+    [V, H], labels [B, T] -> (logp [B, T], entropy [B, T]) in fp32 nats. `chunk` (tokens) defaults
+    to about 16M logits per chunk: 110 tokens for a 151,936-row vocabulary."""
+    chunk = chunk or max(1, 2**24 // weight.shape[0])
+    B, T = labels.shape
+    logp, entropy = _HeadLogProbEntropy.apply(
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(chunk)
+    )
+    return logp.view(B, T), entropy.view(B, T)
+
+
 def _chunks(shape, chunk):
     """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
     rows together when sequences are short, pieces of one row when they are long."""

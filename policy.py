@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import checkpoint
 import lora
-from loss import logprobs_from_logits
+from loss import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
@@ -86,13 +86,51 @@ def response_logits(model, view, device):
     return out.logits[:, :-1]  # [b, r, V]: position prompt_width - 1 + t predicts response token t
 
 
+def fusable_head(model):
+    """The LM head, if it is a plain linear layer whose logits the model uses as they are (no bias,
+    no soft-capping, not wrapped by LoRA); else None."""
+    head = model.get_output_embeddings()
+    plain = type(head) is torch.nn.Linear and head.bias is None
+    return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
+
+
+def response_logprobs(model, view, device, temperature, entropy_grad=False):
+    """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32.
+
+    The head and the log-softmax run together, a chunk of tokens at a time
+    (loss.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
+    pass we have the model call our function in place of its LM head's forward, where FSDP2 has
+    gathered the head's weight. Other heads go through the logits (response_logits). The entropy is
+    that of the sampling distribution, softmax(z / temperature), as verl's actor computes it; it
+    carries a gradient only with entropy_grad (the loss's entropy bonus), otherwise it is logged only.
+    """
+    head, labels = fusable_head(model), view["responses"].to(device)
+    if head is None:
+        logits = response_logits(model, view, device)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits / temperature)
+        return logprobs_from_logits(logits, labels, temperature), entropy
+    out = {}
+
+    def fused(hidden):  # hidden [b, r + 1, H]: position prompt_width - 1 + t predicts response token t
+        out["logp"], out["entropy"] = head_logprobs_entropy(hidden[:, :-1], head.weight, labels, temperature)
+        return hidden[..., :1]  # what the model returns as its "logits"; unused
+
+    head.forward = fused
+    try:
+        response_logits(model, view, device)
+    finally:
+        del head.forward  # the class's forward again
+    return out["logp"], out["entropy"] if entropy_grad else out["entropy"].detach()
+
+
 @torch.no_grad()
 def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
     """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
     out = torch.zeros_like(batch["response_mask"])
     for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
         view = window(batch, rows)
-        logp = logprobs_from_logits(response_logits(model, view, device), view["responses"].to(device), temperature)
+        logp, _ = response_logprobs(model, view, device, temperature)
         out[rows, : logp.shape[1]] = logp.float().cpu()
     return out
 

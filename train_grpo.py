@@ -44,14 +44,14 @@ from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args, reward_specs, reward_weights
 from distributed import all_gather, all_sum, all_sum_tensor, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
-from loss import GSPO_AGG, agg_denominator, agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from loss import GSPO_AGG, agg_denominator, agg_loss, kl_penalty, policy_loss
 from policy import (
     compute_logprobs,
     load_policy,
     make_batch,
     micro_batches,
     reference_logprobs,
-    response_logits,
+    response_logprobs,
     save_hf,
     sync_weights,
     window,
@@ -296,8 +296,8 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     surrogate (--loss-mode), + kl_coef x the KL to the reference, - entropy_coef x the entropy, each
     aggregated by `agg`. Returns (loss, {name: number} of every term for the log, old log-probs [b, r])."""
     m, r = view["response_mask"].to(device), view["responses"].shape[1]  # [b, r]
-    logits = response_logits(policy, view, device)  # [b, r, V]
-    logp = logprobs_from_logits(logits, view["responses"].to(device), args.temperature)  # [b, r]
+    # [b, r] each; the head and softmax run a chunk of tokens at a time, never the whole [b, r, V]
+    logp, token_entropy = response_logprobs(policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0)
     old = logp.detach() if old_logp is None else old_logp[rows, :r].to(device)  # on-policy: ratio 1
     is_weights = None
     if args.tis_cap > 0:  # truncated importance sampling: the engine sampled, the trainer scores
@@ -310,8 +310,7 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     if ref_logp is not None:
         kl_loss = agg_loss(kl_penalty(logp, ref_logp[rows, :r].to(device), args.kl_kind), m, agg, norm_len)
         loss = loss + args.kl_coef * kl_loss
-    with torch.set_grad_enabled(args.entropy_coef > 0):
-        entropy = agg_loss(entropy_from_logits(logits), m, agg, norm_len)
+    entropy = agg_loss(token_entropy, m, agg, norm_len)
     if args.entropy_coef > 0:
         loss = loss - args.entropy_coef * entropy
     terms = dict(pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, policy_loss=loss, **pg_metrics)
