@@ -72,10 +72,11 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         logp, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
         for s in range(0, n, chunk):
             c = slice(s, s + chunk)
-            z = (hidden[c] @ weight.T).float() / temperature  # [c, V]
-            lse[c] = torch.logsumexp(z, -1)
-            logp[c] = z.gather(-1, labels[c, None]).squeeze(-1) - lse[c]
-            entropy[c] = lse[c] - (torch.softmax(z, -1) * z).sum(-1)
+            log_p = _scaled_logits(hidden[c], weight, temperature)  # [c, V]
+            lse[c] = torch.logsumexp(log_p, -1)
+            log_p -= lse[c, None]  # in place: each pass over [c, V] costs as much as the matmul's share
+            logp[c] = log_p.gather(-1, labels[c, None]).squeeze(-1)
+            entropy[c] = -(log_p.exp() * log_p).sum(-1)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, entropy
@@ -88,20 +89,33 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         for s in range(0, labels.shape[0], ctx.chunk):
             c = slice(s, s + ctx.chunk)
-            log_p = (hidden[c] @ weight.T).float() / ctx.temperature - lse[c, None]  # [c, V]
+            log_p = _scaled_logits(hidden[c], weight, ctx.temperature).sub_(lse[c, None])  # [c, V]
             p = log_p.exp()
-            g = torch.zeros_like(p)
+            # g = g_logp * (onehot - p) - g_entropy * p * (log p + H) = -p * coef (+ g_logp at the label),
+            # in place: each pass over [c, V] costs about as much as the matmul's share of the chunk
+            if g_entropy is None:
+                coef = g_logp[c, None].float()  # [c, 1]
+            else:
+                coef = log_p.add_(entropy[c, None]).mul_(g_entropy[c, None].float())  # [c, V], reusing log_p
+                if g_logp is not None:
+                    coef.add_(g_logp[c, None].float())
+            g = p.mul_(coef).neg_()
             if g_logp is not None:
-                g -= p * g_logp[c, None].float()
                 g.scatter_add_(-1, labels[c, None], g_logp[c, None].float())
-            if g_entropy is not None:
-                g -= p * (log_p + entropy[c, None]) * g_entropy[c, None].float()
-            g = (g / ctx.temperature).to(hidden.dtype)  # d loss / d (h W^T)
+            if ctx.temperature != 1.0:
+                g /= ctx.temperature
+            g = g.to(hidden.dtype)  # d loss / d (h W^T)
             if want_h:
                 grad_h[c] = g @ weight  # [c, V] @ [V, H]
             if want_w:
                 grad_w += (g.T @ hidden[c]).float()  # [V, c] @ [c, H]
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def _scaled_logits(hidden, weight, temperature):
+    """h W^T / temperature in fp32: [c, H] x [V, H] -> [c, V] (the matmul in the inputs' dtype)."""
+    z = (hidden @ weight.T).float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, chunk=None):

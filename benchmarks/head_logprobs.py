@@ -7,7 +7,9 @@ The model is the config of --like (Qwen2.5: 151,936 vocabulary rows, tied head) 
 and 2 layers with random weights, as in issue 14's measurement: 16 sequences of 114 prompt + 48
 response tokens. Each path computes the same loss, sum(logp) + 0.01 x sum(entropy) over the response
 tokens, and its backward. Printed: the median seconds of each path (interleaved, after one warm-up),
-the ratio, and the largest difference between the two paths' gradients.
+the ratio, the update's MFU (the model's FLOPs against the measured fp32 matmul rate; the fused
+head's recomputation is not counted as useful), and the largest difference between the two paths' gradients. Then, over response
+lengths, the bytes each path holds for its backward (the parameters excluded).
 """
 
 import argparse
@@ -45,10 +47,56 @@ def step(path, model, view):
     return time.perf_counter() - start, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def saved_bytes(path, model, view):
+    """Bytes autograd holds between the forward and the backward of `path` (distinct storages,
+    the parameters excluded): the activations, and with the plain path the [b, r, V] logits."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, entropy = path(model, view)
+        ((logp + 0.01 * entropy) * view["response_mask"]).sum()
+    return sum(seen.values())
+
+
+def memory_table(model, lengths, sequences=2):
+    vocab = model.config.vocab_size
+    print(f"held for the backward, {sequences} sequences of 114 prompt tokens + r response tokens:")
+    print("| r | logits path | fused head | [b, r, V] fp32 logits |")
+    print("| ---: | ---: | ---: | ---: |")
+    g = torch.Generator().manual_seed(1)
+    for r in lengths:
+        prompts = [torch.randint(0, vocab, (114,), generator=g).tolist() for _ in range(sequences)]
+        responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for _ in range(sequences)]
+        view = policy.window(policy.make_batch(prompts, responses, pad_id=0), list(range(sequences)))
+        a, b = saved_bytes(plain, model, view), saved_bytes(fused, model, view)
+        print(f"| {r} | {a / 2**20:.0f} MiB | {b / 2**20:.1f} MiB | {sequences * r * vocab * 4 / 2**20:.0f} MiB |")
+
+
+def matmul_rate(size=2048, reps=15):
+    """This machine's fp32 matmul rate in FLOP/s (as benchmarks/bench_vs_trl.py measures it)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--like", default="../shared/models/qwen2.5-0.5b-instruct")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--memory", default="48,192,768", help="response lengths for the memory table (empty: none)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +124,18 @@ def main():
     gap = max((last["plain"][n] - last["fused"][n]).abs().max().item() for n in last["plain"])
     p, f = statistics.median(times["plain"]), statistics.median(times["fused"])
     print(f"forward + backward, median of {args.repeats}: logits path {p:.2f} s, fused head {f:.2f} s: {p / f:.2f}x")
+    # the model's FLOPs: 3 x the forward's 2 x parameters x tokens, the head on the response tokens only
+    head = model.get_output_embeddings().weight.numel()
+    body, tokens, answers = params - head, 16 * (114 + 48), 16 * 48
+    flops = 3 * 2 * (body * tokens + head * answers)
+    rate = matmul_rate()
+    print(
+        f"model FLOPs {flops / 1e9:.0f} G; fp32 matmul rate {rate / 1e9:.0f} GFLOP/s (2048^3, median of 15); "
+        f"MFU: logits path {flops / p / rate:.0%}, fused head {flops / f / rate:.0%}"
+    )
     print(f"largest gradient difference between the paths: {gap:.1e}")
+    if args.memory:
+        memory_table(model, [int(r) for r in args.memory.split(",")])
 
 
 if __name__ == "__main__":
