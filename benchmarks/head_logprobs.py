@@ -26,6 +26,9 @@ import policy  # noqa: E402
 from loss import entropy_from_logits, logprobs_from_logits  # noqa: E402
 from models import build_random_model  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_trl import matmul_rate  # noqa: E402 (the same measurement as the TRL benchmark's)
+
 CPU = torch.device("cpu")
 
 
@@ -79,19 +82,6 @@ def memory_table(model, lengths, sequences=2):
         print(f"| {r} | {a / 2**20:.0f} MiB | {b / 2**20:.1f} MiB | {sequences * r * vocab * 4 / 2**20:.0f} MiB |")
 
 
-def matmul_rate(size=2048, reps=15):
-    """This machine's fp32 matmul rate in FLOP/s (as benchmarks/bench_vs_trl.py measures it)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--like", default="../shared/models/qwen2.5-0.5b-instruct")
@@ -128,7 +118,7 @@ def main():
     head = model.get_output_embeddings().weight.numel()
     body, tokens, answers = params - head, 16 * (114 + 48), 16 * 48
     flops = 3 * 2 * (body * tokens + head * answers)
-    rate = matmul_rate()
+    rate = matmul_rate(torch.get_num_threads())
     print(
         f"model FLOPs {flops / 1e9:.0f} G; fp32 matmul rate {rate / 1e9:.0f} GFLOP/s (2048^3, median of 15); "
         f"MFU: logits path {flops / p / rate:.0%}, fused head {flops / f / rate:.0%}"
