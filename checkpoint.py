@@ -48,6 +48,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
+import lora
+
 TRACKER = "latest_checkpointed_iteration.txt"
 NON_TENSORS = "non_tensor_state.json"
 
@@ -196,8 +198,8 @@ class Checkpointer:
                 json.dump(dict(trainer_state, step=step, world_size=dist.get_world_size()), f)
             model.config.save_pretrained(os.path.join(tmp, "hf"))
             model.generation_config.save_pretrained(os.path.join(tmp, "hf"))
-            if hasattr(model, "peft_config"):  # LoRA: what the adapters are; the base is --model
-                model.peft_config["default"].save_pretrained(os.path.join(tmp, "hf"))
+            if lora.is_lora(model):  # what the adapters are; the base is --model
+                model.peft_config[lora.ADAPTER].save_pretrained(os.path.join(tmp, "hf"))
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "hf"))
         dist.barrier()
@@ -484,11 +486,11 @@ def load(path, model, optimizer, config):
     changed = sorted(k for k, v in config.items() if state["config"].get(k) != v)
     if changed:
         print(f"resume: config differs from the checkpoint's in {changed}; the new values apply", flush=True)
-    lora = os.path.isfile(os.path.join(path, "hf", "adapter_config.json"))
-    if lora != hasattr(model, "peft_config"):
+    saved_lora = os.path.isfile(os.path.join(path, "hf", "adapter_config.json"))
+    if saved_lora != lora.is_lora(model):
         raise SystemExit(
-            f"{path} holds {'LoRA adapters' if lora else 'a fully fine-tuned model'}, and this run "
-            f"{'trains LoRA adapters' if hasattr(model, 'peft_config') else 'fine-tunes the whole model'}"
+            f"{path} holds {'LoRA adapters' if saved_lora else 'a fully fine-tuned model'}, and this run "
+            f"{'trains LoRA adapters' if lora.is_lora(model) else 'fine-tunes the whole model'}"
         )
     live = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     tensors, _ = split_tensors(live)  # filled in place from the shards
@@ -554,8 +556,6 @@ def export(checkpoint, out_dir, base=None, adapter_dir=None):
     default the run's --model) and written twice, merged into a plain model at out_dir and as a PEFT
     adapter directory at adapter_dir (default: out_dir + "_adapter")."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    import lora
 
     problem = problem_with(checkpoint)
     if problem:

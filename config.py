@@ -260,17 +260,7 @@ def check_args(args, world=1):
         (not a.train_data or os.path.exists(a.train_data), f"--train-data {a.train_data}: no such file or directory"),
         (not a.val_data or os.path.exists(a.val_data), f"--val-data {a.val_data}: no such file or directory"),
         (a.out_dir != "", "--out-dir must not be empty"),
-        *[
-            (
-                os.path.isfile(spec.partition(":")[0]),
-                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
-            )
-            for spec in reward_specs(a)
-        ],
-        (
-            not a.reward_weights or len(reward_weights(a) or []) == len(reward_specs(a)) > 0,
-            f"--reward-weights {a.reward_weights}: expected one number per --reward-fn ({len(reward_specs(a))} given)",
-        ),
+        *reward_rules(a),
         (not a.reward_model or os.path.isdir(a.reward_model), f"--reward-model {a.reward_model}: no such directory"),
         (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
         (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
@@ -407,6 +397,24 @@ LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 def loggers(args):
     """--logger console,jsonl -> ["console", "jsonl"]."""
     return [name.strip() for name in args.logger.split(",") if name.strip()]
+
+
+def reward_rules(args):
+    """check_args' rules for --reward-fn and --reward-weights (eval.py takes the same two flags)."""
+    specs, weights = reward_specs(args), reward_weights(args)
+    return [
+        *[
+            (
+                os.path.isfile(spec.partition(":")[0]),
+                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
+            )
+            for spec in specs
+        ],
+        (
+            not args.reward_weights or len(weights or []) == len(specs) > 0,
+            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(specs)} given)",
+        ),
+    ]
 
 
 def reward_specs(args):

@@ -12,6 +12,12 @@ import torch
 import torch.distributed as dist
 
 
+def full_tensor(x):
+    """The whole tensor of an FSDP2-sharded DTensor (a collective: every rank calls it, in the
+    same order); a plain tensor as it is."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 def init_distributed():
     """Join the process group; returns (rank, world size, this rank's device)."""
     if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one

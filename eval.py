@@ -204,7 +204,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
-    from config import Append, reward_specs, reward_weights  # the trainer's reading of --reward-fn/--reward-weights
+    from config import Append, reward_rules, reward_specs, reward_weights  # the trainer's --reward-fn/--reward-weights
 
     # no abbreviations: a misspelt flag is an error, not silently some other flag
     parser = argparse.ArgumentParser(
@@ -264,14 +264,7 @@ def main(argv=None):
             f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}",
         ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
-        *[
-            (os.path.isfile(spec.partition(":")[0]), f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}")
-            for spec in reward_specs(args)
-        ],
-        (
-            not args.reward_weights or len(reward_weights(args) or []) == len(reward_specs(args)) > 0,
-            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(reward_specs(args))} given)",
-        ),
+        *reward_rules(args),
     ]
     problems = [message for ok, message in rules if not ok]
     if problems:

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from distributed import full_tensor
+
 ADAPTER = "default"  # PEFT's name for a model's only adapter
 
 
@@ -68,14 +70,10 @@ def reference_mode(model):
     return model.disable_adapter()
 
 
-def full(param):
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
 @torch.no_grad()
 def merged_parameters(model, dtype):
     """Yields (hf_name, full tensor) of the base model with every adapter merged in, one parameter
-    at a time and in the same order on every rank (each full() is a collective):
+    at a time and in the same order on every rank (each full_tensor() is a collective):
 
         W' = W + scale * B @ A        # [out, in] = [out, r] @ [r, in]
     """
@@ -84,11 +82,11 @@ def merged_parameters(model, dtype):
         module, _, leaf = name.rpartition(".")
         if ".lora_" in name:
             continue  # merged into its base layer's weight
-        tensor = full(param).detach()
+        tensor = full_tensor(param).detach()
         owner = module.removesuffix(".base_layer")
         if leaf == "weight" and module.endswith(".base_layer") and owner in layers:
             layer = layers[owner]
-            a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
+            a, b = full_tensor(layer.lora_A[ADAPTER].weight), full_tensor(layer.lora_B[ADAPTER].weight)
             delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # [out, in]
             tensor = tensor.float() + (delta.T if layer.fan_in_fan_out else delta)
         yield hf_name(name), tensor.to(dtype)
@@ -102,7 +100,7 @@ def save_adapter(model, out_dir, rank):
     state = {}
     for name, param in model.named_parameters():
         if ".lora_" in name:  # PEFT's files name the tensors without the adapter's name
-            state[name.replace(f".{ADAPTER}.", ".")] = full(param).detach().cpu().contiguous()
+            state[name.replace(f".{ADAPTER}.", ".")] = full_tensor(param).detach().cpu().contiguous()
     if rank == 0:
         write_adapter(state, model.peft_config[ADAPTER], out_dir)
     if dist.is_initialized():
@@ -133,7 +131,7 @@ def base_fingerprint(model):
     total = 0.0
     for param in model.parameters():
         if not param.requires_grad:
-            t = full(param).double()
+            t = full_tensor(param).double()
             total += (t.sum() + t.square().sum() * 1e-3).item()
     return total
 

@@ -157,16 +157,16 @@ def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
     return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
 
 
-def entropy_from_logits(logits, chunk=1024):
-    """Entropy of the next-token distribution at every position, in nats.
+def entropy_from_logits(logits, chunk=1024, temperature=1.0):
+    """Entropy of the next-token distribution softmax(logits / temperature) at every position, in nats.
 
-    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   logits [B, T, V] -> [B, T] fp32.
+    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   z = logits / temperature [B, T, V] -> [B, T] fp32.
     Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
     that bounds the extra memory to O(chunk * V).
     """
     entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
     for b, t in _chunks(entropy.shape, chunk):
-        z = logits[b, t].float()  # [rows, c, V]
+        z = logits[b, t].float() / temperature  # [rows, c, V]
         entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
     return entropy
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import checkpoint
 import lora
+from distributed import full_tensor
 from loss import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
     if head is None:
         logits = response_logits(model, view, device)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits / temperature)
+            entropy = entropy_from_logits(logits, temperature=temperature)
         return logprobs_from_logits(logits, labels, temperature), entropy
     out = {}
 
@@ -170,8 +171,7 @@ def full_parameters(model, dtype):
         yield from lora.merged_parameters(model, dtype)
         return
     for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        yield name, full.detach().to(dtype)
+        yield name, full_tensor(param).detach().to(dtype)
 
 
 def save_hf(model, tokenizer, out_dir, rank):

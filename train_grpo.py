@@ -42,7 +42,7 @@ import lora
 import reward_model
 from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args, reward_specs, reward_weights
-from distributed import all_gather, all_sum, all_sum_tensor, init_distributed, print0, reduce_metrics
+from distributed import all_gather, all_sum, all_sum_tensor, full_tensor, init_distributed, print0, reduce_metrics
 from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, kl_penalty, policy_loss
 from policy import (
@@ -346,7 +346,7 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
                 checkpoint.crash_point("update", step)
                 stats.append(terms)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+            grad_norm = full_tensor(grad_norm).item()
             if math.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -403,6 +403,7 @@ def main():
     )
     policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, args.kl_coef > 0, lora_args)
     rm = reward_model.load_reward_model(args.reward_model, mesh, device) if args.reward_model else None
+    reward = (reward_fn, rm)  # what score_samples needs
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
@@ -436,7 +437,6 @@ def main():
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ)
-        reward = (reward_fn, rm)
         groups = collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward, eos_ids, timing, device)
         rows, out, texts, scores, extras, filter_metrics = groups
         checkpoint.crash_point("rollout", step)
