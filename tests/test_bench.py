@@ -39,16 +39,25 @@ def test_statistics_of_kept_steps():
     assert bench.stats(kept) == dict(median=5.0, p25=4.0, p75=6.0, min=3.0, max=7.0, count=5)
 
 
-def test_matmul_weights_count_the_tied_head_but_not_the_lookup(tmp_path):
+def test_matmul_weights_count_the_tied_head_apart_and_not_the_lookup(tmp_path):
     from models import build_tiny_model
 
     model = build_tiny_model(str(tmp_path / "m"), ["a", "b", "c"], hidden=128, layers=2, heads=2, intermediate=512)
     vocab = 7 + 3  # the special tokens and the words
     per_layer = 4 * 128 * 128 + 3 * 128 * 512  # q, k, v, o and the gated MLP
-    assert bench.matmul_params(model) == 2 * per_layer + vocab * 128
+    assert bench.matmul_params(model) == (2 * per_layer, vocab * 128)
 
 
 def test_update_mfu_is_model_flops_over_time_over_the_machine_rate():
     steps = [{"step": s, "prompt_tokens": 1000, "gen_tokens": 3000, "update_s": 2.0} for s in range(1, 5)]
-    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=1_000_000, rate=24e9)
+    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
     assert out["tokens"] == 4000 and out["gflop"] == 24.0 and out["gflops"] == 12.0 and out["mfu"] == 0.5
+    # the head multiplies only the answer's tokens: 6 x 2M x 3000 more FLOPs, not 6 x 2M x 4000
+    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 2_000_000), rate=24e9)
+    assert out["gflop"] == 24.0 + 36.0 and out["gflops"] == 30.0 and out["mfu"] == 1.25
+
+
+def test_the_gsm8k_setups_say_how_to_build_what_they_need(tmp_path):
+    args = bench.parse_args(["--setup", "smollm2", "--gsm8k", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit, match="python data_prep.py gsm8k"):
+        bench.prepare_inputs(args)
