@@ -70,13 +70,20 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
         n = labels.shape[0]
         logp, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+        z, e = _chunk_buffers(hidden, weight, chunk, 2)
         for s in range(0, n, chunk):
             c = slice(s, s + chunk)
-            log_p = _scaled_logits(hidden[c], weight, temperature)  # [c, V]
-            lse[c] = torch.logsumexp(log_p, -1)
-            log_p -= lse[c, None]  # in place: each pass over [c, V] costs as much as the matmul's share
-            logp[c] = log_p.gather(-1, labels[c, None]).squeeze(-1)
-            entropy[c] = -(log_p.exp() * log_p).sum(-1)
+            zc = _scaled_logits(hidden[c], weight, temperature, z)  # [c, V]
+            ec = e[: zc.shape[0]]
+            m = zc.amax(-1, keepdim=True)
+            zc.sub_(m)  # z - max: exp cannot overflow, and the entropy below does not cancel
+            torch.exp(zc, out=ec)
+            total = ec.sum(-1)  # sum_j exp(z_j - max)
+            lse_shifted = total.log()
+            logp[c] = zc.gather(-1, labels[c, None]).squeeze(-1) - lse_shifted
+            # H = logsumexp(z) - sum_j p_j z_j, both shifted by max: one dot product per row, no [c, V] temporary
+            entropy[c] = lse_shifted - torch.bmm(ec[:, None, :], zc[:, :, None]).view(-1) / total
+            lse[c] = lse_shifted + m.squeeze(-1)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, entropy
@@ -87,34 +94,56 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
         grad_h = torch.zeros_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        fp32 = hidden.dtype == torch.float32
+        z, p = _chunk_buffers(hidden, weight, ctx.chunk, 2)
         for s in range(0, labels.shape[0], ctx.chunk):
             c = slice(s, s + ctx.chunk)
-            log_p = _scaled_logits(hidden[c], weight, ctx.temperature).sub_(lse[c, None])  # [c, V]
-            p = log_p.exp()
-            # g = g_logp * (onehot - p) - g_entropy * p * (log p + H) = -p * coef (+ g_logp at the label),
-            # in place: each pass over [c, V] costs about as much as the matmul's share of the chunk
+            log_p = _scaled_logits(hidden[c], weight, ctx.temperature, z).sub_(lse[c, None])  # [c, V]
+            pc = torch.exp(log_p, out=p[: log_p.shape[0]])
+            # g = g_logp * (onehot - p) - g_entropy * p * (log p + H) = -p * coef (+ g_logp at the label)
             if g_entropy is None:
-                coef = g_logp[c, None].float()  # [c, 1]
+                pc.mul_(g_logp[c, None].float().neg())
             else:
                 coef = log_p.add_(entropy[c, None]).mul_(g_entropy[c, None].float())  # [c, V], reusing log_p
                 if g_logp is not None:
                     coef.add_(g_logp[c, None].float())
-            g = p.mul_(coef).neg_()
+                pc.mul_(coef).neg_()
+            g = pc
             if g_logp is not None:
                 g.scatter_add_(-1, labels[c, None], g_logp[c, None].float())
             if ctx.temperature != 1.0:
-                g /= ctx.temperature
-            g = g.to(hidden.dtype)  # d loss / d (h W^T)
-            if want_h:
-                grad_h[c] = g @ weight  # [c, V] @ [V, H]
-            if want_w:
-                grad_w += (g.T @ hidden[c]).float()  # [V, c] @ [c, H]
+                g.div_(ctx.temperature)
+            if fp32:  # d loss / d (h W^T) into the gradients, in place
+                if want_h:
+                    torch.mm(g, weight, out=grad_h[c])  # [c, V] @ [V, H]
+                if want_w:
+                    grad_w.addmm_(g.T, hidden[c])  # [V, c] @ [c, H]
+            else:
+                g = g.to(hidden.dtype)
+                if want_h:
+                    grad_h[c] = g @ weight
+                if want_w:
+                    grad_w += (g.T @ hidden[c]).float()
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
-def _scaled_logits(hidden, weight, temperature):
-    """h W^T / temperature in fp32: [c, H] x [V, H] -> [c, V] (the matmul in the inputs' dtype)."""
-    z = (hidden @ weight.T).float()
+def _chunk_buffers(hidden, weight, chunk, count):
+    """`count` fp32 [chunk, V] blocks that every chunk of the loop reuses. On CPU a fresh tensor of
+    that size (64 MiB) per op comes from the kernel (glibc mmaps anything above 32 MiB) and is
+    zeroed page by page each time: at the Qwen-vocabulary shape that was 45% of the fused head's
+    time (3.40 s against 1.86 s for 1536 tokens, BENCHMARKS.md)."""
+    rows = min(chunk, hidden.shape[0])
+    return [torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(count)]
+
+
+def _scaled_logits(hidden, weight, temperature, out):
+    """h W^T / temperature in fp32 into the first rows of `out`: [c, H] x [V, H] -> [c, V] (the
+    matmul in the inputs' dtype)."""
+    z = out[: hidden.shape[0]]
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        torch.mm(hidden, weight.T, out=z)
+    else:
+        z.copy_(hidden @ weight.T)
     return z if temperature == 1.0 else z.div_(temperature)
 
 
