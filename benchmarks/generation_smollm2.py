@@ -1,13 +1,25 @@
-"""Generation on SmolLM2-135M-Instruct at GSM8K length: vLLM as our engine runs it (eager), vLLM with
-torch.compile, and our transformers engine, on the same work (BENCHMARKS.md, issue 14 item 2).
+"""Generation on SmolLM2-135M-Instruct at GSM8K length: where vLLM's CPU time goes, and our
+transformers engine on the same work (BENCHMARKS.md, issue 14 item 2).
 
     python models.py smollm2 --out models/smollm2
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
-    python benchmarks/generation_smollm2.py [--rounds 3] [--hf-rounds 1]
+    python benchmarks/generation_smollm2.py                       # the profile below, about 20 min
+    python benchmarks/generation_smollm2.py --variants vllm,hf    # any subset, by name
 
-8 GSM8K training prompts x 8 samples, temperature 1, up to 256 new tokens, fp32, one process, each
-engine in a fresh subprocess. Printed per engine: start-up seconds and tokens/s of each round (the
-first vLLM round includes its warm-up). Run it on an otherwise idle machine: about 10 minutes.
+GSM8K training prompts x 8 samples, temperature 1, up to 256 new tokens, fp32, each variant in a
+fresh subprocess, one after the other. The variants:
+
+  vllm            our engine as train_grpo.py builds it on CPU (eager, 1 GiB KV cache, the sampled
+                  token's log-prob returned), 8 prompts, 2 threads
+  no-logprobs     the same without log-probs (train_grpo.py --no-engine-logprobs)
+  one-thread      the same on 1 thread: what each rank gets under torchrun with 2 ranks on 2 cores
+  big-batch       32 prompts (256 sequences), the 1 GiB KV cache
+  big-batch-kv4   32 prompts, a 4 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=4)
+  compiled        vLLM with torch.compile (enforce_eager=False), our other settings, 8 prompts
+  hf              our transformers engine, 8 prompts
+
+Printed per variant: start-up seconds, the KV cache's capacity in tokens, and tokens/s of each
+round (the first vLLM round includes its warm-up). Run it on an otherwise idle machine.
 """
 
 import argparse
@@ -18,7 +30,19 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# runs in a subprocess: argv = engine, rounds
+# name: (engine, prompts, log-probs, environment)
+VARIANTS = {
+    "vllm": ("vllm", 8, True, {}),
+    "no-logprobs": ("vllm", 8, False, {}),
+    "one-thread": ("vllm", 8, True, {"OMP_NUM_THREADS": "1"}),
+    "big-batch": ("vllm", 32, True, {}),
+    "big-batch-kv4": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "4"}),
+    "compiled": ("vllm-compiled", 8, True, {}),
+    "hf": ("hf", 8, True, {}),
+}
+DEFAULT = "vllm,no-logprobs,one-thread,big-batch,big-batch-kv4"
+
+# runs in a subprocess: argv = engine, prompts, logprobs (0/1), rounds
 ONE_ENGINE = r"""
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
@@ -26,9 +50,9 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 from rollout import make_engine
-kind, rounds = sys.argv[1], int(sys.argv[2])
+kind, n_prompts, logprobs, rounds = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 tok = AutoTokenizer.from_pretrained("models/smollm2")
-rows = pq.read_table("data/gsm8k/train.parquet").to_pylist()[:8]
+rows = pq.read_table("data/gsm8k/train.parquet").to_pylist()[:n_prompts]
 prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
                add_special_tokens=False)["input_ids"] for r in rows]
 start = time.perf_counter()
@@ -40,36 +64,58 @@ if kind == "vllm-compiled":  # our engine's settings with CPU eager mode off: to
     llm = LLM(model="models/smollm2", dtype="float32", max_model_len=1024, seed=0, enforce_eager=False,
               logprobs_mode="processed_logprobs", **rollout.cpu_scheduling(False, 1024), log_level="WARNING")
     def generate(seed):
-        sp = SamplingParams(n=8, temperature=1.0, max_tokens=256, logprobs=0, seed=seed)  # as our engine asks
+        sp = SamplingParams(n=8, temperature=1.0, max_tokens=256, logprobs=0 if logprobs else None, seed=seed)
         return [list(c.token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False) for c in o.outputs]
 else:
     engine = make_engine(kind, "models/smollm2", max_model_len=1024, seed=0, device=torch.device("cpu"))
+    llm = getattr(engine, "llm", None)
     def generate(seed):
-        return engine.generate(prompts, n=8, max_new_tokens=256, seeds=list(range(seed * 8, seed * 8 + 8))).response_ids
+        seeds = list(range(seed * n_prompts, (seed + 1) * n_prompts))
+        return engine.generate(prompts, n=8, max_new_tokens=256, seeds=seeds, logprobs=logprobs).response_ids
 startup = time.perf_counter() - start
+kv_tokens = None
+if llm is not None:
+    cache = llm.llm_engine.vllm_config.cache_config
+    kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
 rates = []
 for r in range(rounds):
     t = time.perf_counter()
     tokens = sum(map(len, generate(r)))
     rates.append((tokens, time.perf_counter() - t))
-print("RESULT " + json.dumps({"startup": startup, "rounds": rates}))
+print("RESULT " + json.dumps({"startup": startup, "kv_tokens": kv_tokens, "threads": torch.get_num_threads(), "rounds": rates}))
 """
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per vLLM variant (the first includes warm-up)")
     parser.add_argument("--hf-rounds", type=int, default=1, help="rounds for the transformers engine (slow)")
     args = parser.parse_args()
-    for kind, rounds in (("vllm", args.rounds), ("vllm-compiled", args.rounds), ("hf", args.hf_rounds)):
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    for name in names:
+        kind, n_prompts, logprobs, env = VARIANTS[name]
+        rounds = args.hf_rounds if kind == "hf" else args.rounds
         proc = subprocess.run(
-            [sys.executable, "-c", ONE_ENGINE, kind, str(rounds)], cwd=REPO, capture_output=True, text=True
+            [sys.executable, "-c", ONE_ENGINE, kind, str(n_prompts), str(int(logprobs)), str(rounds)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), **env},
         )
         if proc.returncode != 0:
-            raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
         rates = ", ".join(f"{n / s:.0f} ({n} tokens in {s:.1f} s)" for n, s in result["rounds"])
-        print(f"{kind:>14}: start-up {result['startup']:.1f} s; tokens/s per round: {rates}")
+        kv = f"{result['kv_tokens']} tokens" if result["kv_tokens"] else "-"
+        print(
+            f"{name:>14}: {n_prompts} x 8 sequences, {result['threads']} thread(s), start-up {result['startup']:.1f} s, "
+            f"KV cache {kv}; tokens/s per round: {rates}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
