@@ -5,10 +5,8 @@ backend). `python train_grpo.py` without torchrun is a world of one. Collectives
 explicitly: nccl reduces CUDA tensors, gloo CPU ones.
 """
 
-import ctypes
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,31 +28,8 @@ def init_distributed():
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     return rank, world, device
-
-
-def keep_freed_memory():
-    """On CPU, serve large allocations from the heap and keep freed memory for the next one, as
-    PyTorch's CUDA allocator does on a GPU. Returns whether glibc took the settings.
-
-    glibc hands every allocation above 32 MiB (its largest threshold) to the kernel with mmap and
-    returns it on free, so each new activation, logits chunk or gradient of that size is page-faulted
-    and zeroed again, 4 KiB at a time. On SmolLM2 that was about a sixth of the process's CPU time
-    as system time, and turning it off made the update about 10% faster (BENCHMARKS.md). The price:
-    the process keeps its peak heap instead of returning it, which the peak figures count anyway.
-    Other C libraries (musl) have no mallopt; there nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-    # mallopt returns 1 on success. No mmap'd chunks; give back the heap's top only above 2 GiB free
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def print0(*a, **kw):

@@ -3,7 +3,6 @@
 import os
 import sys
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -42,37 +41,3 @@ def test_metrics_are_reduced_over_ranks_even_when_their_keys_differ():
         "reward_extra/acc/mean": 0.5,
     }
     assert results[0] == results[1] == expected  # the same on both ranks; the extra key averaged where it exists
-
-
-FAULTS_OF_A_REUSED_BLOCK = r"""
-import resource, sys, torch
-sys.path.insert(0, sys.argv[1])
-from distributed import keep_freed_memory
-if sys.argv[2] == "1":
-    assert keep_freed_memory()
-for _ in range(2):  # the second 64 MiB block should reuse the first one's memory
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(16 * 2**20)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_freed_large_blocks_are_reused_instead_of_faulted_in_again():
-    import subprocess
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    faults = {
-        setting: int(
-            subprocess.run(
-                [sys.executable, "-c", FAULTS_OF_A_REUSED_BLOCK, repo, setting],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        )
-        for setting in ("0", "1")
-    }
-    # glibc's default: the 64 MiB come back from the kernel, 4 KiB pages faulted in one by one (16384)
-    if faults["0"] < 1000:
-        pytest.skip(f"this kernel maps the block in huge pages ({faults['0']} faults): nothing to save")
-    assert faults["1"] < faults["0"] / 10, faults
