@@ -625,6 +625,7 @@ RESUMABLE = {
     "tensor_parallel_size",
     "micro_batch_size",
     "micro_batch_tokens",
+    "share_prompts",
     "grad_checkpointing",
     "engine_logprobs",
     "test_freq",

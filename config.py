@@ -88,6 +88,11 @@ class Args:
     micro_batch_tokens: int = 0
     """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
     per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu)."""
+    share_prompts: bool = True
+    """Run each prompt once per group in the update and the log-prob passes, its n responses on top of
+    its KV cache, instead of once per response: the same numbers (to float rounding) for fewer tokens.
+    Micro-batches then hold whole groups (at least one). Off by default with --grad-checkpointing,
+    which drops the cache."""
     lr: float = 1e-6
     """Peak AdamW learning rate (0 freezes the policy: a baseline or a test). With --lora-rank, about 10x
     what full fine-tuning would use."""
@@ -336,6 +341,10 @@ def check_args(args, world=1):
             a.mini_batch_size < 1 or a.mini_batch_size % world == 0,
             f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})",
         ),
+        (
+            not (a.share_prompts and a.grad_checkpointing),
+            "--share-prompts needs the KV cache, which --grad-checkpointing drops: use one of them",
+        ),
         # ---- validation, logging, saving
         (a.test_freq == -1 or a.test_freq >= 1, f"--test-freq must be >= 1, or -1 for never, got {a.test_freq}"),
         (a.val_temperature >= 0, f"--val-temperature must be >= 0 (0: greedy), got {a.val_temperature}"),
@@ -444,6 +453,11 @@ def allowed_changes(args):
     return {name.strip().lstrip("-").replace("-", "_") for name in args.allow_changed.split(",") if name.strip()}
 
 
+def given_flags(argv):
+    """The names of the flags on a command line (--no-x gives x)."""
+    return {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
+
+
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # no abbreviations: --max-st 5 would otherwise be --max-steps 5, then lost to the demo's max_steps.
@@ -465,10 +479,11 @@ def parse_args(argv=None):
             parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text)
     args = Args(**vars(parser.parse_args(argv)))
     if args.model == "tiny":
-        given = {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
         for key, value in DEMO_OVERRIDES.items():
-            if key not in given:
+            if key not in given_flags(argv):
                 setattr(args, key, value)
+    if args.grad_checkpointing and "share_prompts" not in given_flags(argv):  # checkpointed layers drop the KV cache
+        args.share_prompts = False
     problems = check_args(args, world=int(os.environ.get("WORLD_SIZE", 1)))  # torchrun sets WORLD_SIZE
     if problems:
         parser.error("\n  ".join(problems))

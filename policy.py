@@ -3,7 +3,9 @@ sequences, per-token log-probs, and getting the full weights out (to the engine,
 
 A batch lays each sequence out as [pad.. prompt | response ..pad]: prompts left-padded, responses
 right-padded, so that response token t of every row sits in the same column. Micro-batches are cut
-to the columns their rows use, and the LM head runs on the response positions only.
+to the columns their rows use, and the LM head runs on the response positions only. With shared
+prompts, a GRPO group's n rows hold one prompt: the model runs it once and the n responses on top of
+its KV cache (_forward_responses).
 """
 
 import torch
@@ -18,11 +20,17 @@ from loss import entropy_from_logits, head_logprobs_entropy, logprobs_from_logit
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
 
 
-def make_batch(prompts, responses, pad_id):
+def make_batch(prompts, responses, pad_id, group=1):
     """Token id lists -> tensors. input_ids = [pad.. prompt | response ..pad]: [N, P + R].
-    The logits that predict response token t sit at column P - 1 + t."""
+    The logits that predict response token t sit at column P - 1 + t. With group = n > 1, every n
+    consecutive rows share one prompt (a GRPO group, prompt-major): the policy then runs that prompt
+    once for the group, not once per response (response_logprobs)."""
     P, R = max(map(len, prompts)), max(max(map(len, responses)), 1)
     n = len(prompts)
+    if group > 1:
+        for g in range(0, n, group):
+            if len(prompts[g : g + group]) != group or any(p != prompts[g] for p in prompts[g : g + group]):
+                raise ValueError(f"make_batch: rows {g}..{g + group - 1} are not one group of {group} with one prompt")
     input_ids = torch.full((n, P + R), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, P + R), dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -39,22 +47,32 @@ def make_batch(prompts, responses, pad_id):
         prompt_width=P,
         prompt_lens=[len(p) for p in prompts],
         response_lens=[max(len(r), 1) for r in responses],
+        group=group,
     )
 
 
 def micro_batches(batch, rows, size, max_tokens=0):
     """Split the sequences `rows` (indices into the batch) into micro-batches: `size` at a time, or,
-    with max_tokens > 0, sorted by length and packed while rows x padded width <= max_tokens."""
+    with max_tokens > 0, sorted by length and packed while the padded tokens computed stay <=
+    max_tokens. With shared prompts (batch["group"] = n > 1) a group's rows stay together: a
+    micro-batch holds whole groups (at least one, even when n > size), and costs a prompt per group
+    plus a response per row."""
+    n = batch.get("group", 1)
+    if n > 1 and (len(rows) % n or any(rows[i] % n or rows[i + n - 1] != rows[i] + n - 1 for i in range(0, len(rows), n))):
+        raise ValueError(f"micro_batches: rows must be whole groups of {n} with shared prompts")
+    units = [rows[i : i + n] for i in range(0, len(rows), n)]  # one group each, or one row
     if max_tokens <= 0:
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
+        k = max(1, size // n)
+        return [sum(units[i : i + k], []) for i in range(0, len(units), k)]
     p, r = batch["prompt_lens"], batch["response_lens"]
     out, cur, p_max, r_max = [], [], 0, 0
-    for i in sorted(rows, key=lambda i: p[i] + r[i]):
-        if cur and (len(cur) + 1) * (max(p_max, p[i]) + max(r_max, r[i])) > max_tokens:
+    for unit in sorted(units, key=lambda u: p[u[0]] + max(r[i] for i in u)):
+        p_new, r_new = max(p_max, p[unit[0]]), max([r_max] + [r[i] for i in unit])
+        if cur and (len(cur) // n + 1) * p_new + (len(cur) + n) * r_new > max_tokens:
             out.append(cur)
-            cur, p_max, r_max = [], 0, 0
-        cur.append(i)
-        p_max, r_max = max(p_max, p[i]), max(r_max, r[i])
+            cur, p_new, r_new = [], p[unit[0]], max(r[i] for i in unit)
+        cur += unit
+        p_max, r_max = p_new, r_new
     return out + [cur]
 
 
@@ -69,22 +87,53 @@ def window(batch, rows):
     cols = slice(P - p, P + r)
     view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
     view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
+    view["group"] = batch.get("group", 1)  # micro_batches keeps groups whole
     return view  # response tensors [b, r]
 
 
-def response_logits(model, view, device):
-    """Forward pass on a window of a batch; returns the logits that predict each response token.
-    The LM head runs only on the last r + 1 positions (the window ends with the responses): with a
-    real vocabulary, its logits on the prompt would be a large share of the FLOPs and the memory."""
-    r = view["responses"].shape[1]
-    out = model(
-        input_ids=view["input_ids"].to(device),
-        attention_mask=view["attention_mask"].to(device),
-        position_ids=view["position_ids"].to(device),
-        use_cache=False,
-        logits_to_keep=r + 1,
+def _forward_responses(model, view, device):
+    """Runs the model on a window of a batch so that its LM head sees every position whose output
+    predicts a response token; returns the model's outputs (the head's outputs are their .logits).
+
+    One forward over the whole window, the head on its last r + 1 positions: with a real
+    vocabulary, logits on the prompt would be a large share of the FLOPs and the memory. With
+    shared prompts (group n > 1) two: each group's prompt once, keeping its KV cache (the head on
+    its last position only), then the group's n responses on top of that cache, repeated n times.
+    The gradient reaches the prompt's activations through the cache, so the result is the same as
+    n full sequences, minus n - 1 prompt passes. combine_head_outputs puts the pieces in order."""
+    ids, mask, pos = (view[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+    n, p, r = view.get("group", 1), view["prompt_width"], view["responses"].shape[1]
+    if n == 1:
+        return [model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=r + 1)]
+    kw = dict(use_cache=True)
+    first = model(input_ids=ids[::n, :p], attention_mask=mask[::n, :p], position_ids=pos[::n, :p], logits_to_keep=1, **kw)
+    cache = first.past_key_values
+    if cache is None or cache.get_seq_length() != p:  # e.g. gradient checkpointing drops the cache
+        raise RuntimeError(f"{type(model).__name__} returned no KV cache of the prompts: run without shared prompts")
+    if r == 1:  # the prompts' last positions predict the only response token
+        return [first]
+    cache.batch_repeat_interleave(n)  # [G, ...] -> [G * n, ...], one copy per response
+    cols = slice(p, p + r - 1)  # response tokens 0 .. r - 2 predict tokens 1 .. r - 1
+    second = model(
+        input_ids=ids[:, cols], attention_mask=mask[:, : p + r - 1], position_ids=pos[:, cols], past_key_values=cache, **kw
     )
-    return out.logits[:, :-1]  # [b, r, V]: position prompt_width - 1 + t predicts response token t
+    if cache.get_seq_length() != p + r - 1:
+        raise RuntimeError(f"{type(model).__name__} did not attend to the cached prompts: run without shared prompts")
+    return [first, second]
+
+
+def combine_head_outputs(pieces, view):
+    """The LM head's outputs from _forward_responses -> [b, r, ...]: position t predicts response token t."""
+    n = view.get("group", 1)
+    if n == 1:
+        return pieces[0][:, :-1]  # [b, r + 1] -> [b, r]
+    first = pieces[0].repeat_interleave(n, 0)  # each prompt's last position, once per response
+    return torch.cat([first] + pieces[1:], 1)
+
+
+def response_logits(model, view, device):
+    """The logits that predict each response token of a window of a batch: [b, r, V]."""
+    return combine_head_outputs([out.logits for out in _forward_responses(model, view, device)], view)
 
 
 def fusable_head(model):
@@ -101,9 +150,10 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
     The head and the log-softmax run together, a chunk of tokens at a time
     (loss.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
     pass we have the model call our function in place of its LM head's forward, where FSDP2 has
-    gathered the head's weight. Other heads go through the logits (response_logits). The entropy is
-    that of the sampling distribution, softmax(z / temperature), as verl's actor computes it; it
-    carries a gradient only with entropy_grad (the loss's entropy bonus), otherwise it is logged only.
+    gathered the head's weight (with shared prompts, on the second forward, with the hidden states
+    the first left). Other heads go through the logits (response_logits). The entropy is that of
+    the sampling distribution, softmax(z / temperature), as verl's actor computes it; it carries a
+    gradient only with entropy_grad (the loss's entropy bonus), otherwise it is logged only.
     """
     head, labels = fusable_head(model), view["responses"].to(device)
     if head is None:
@@ -111,15 +161,19 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits, temperature=temperature)
         return logprobs_from_logits(logits, labels, temperature), entropy
-    out = {}
+    hidden, out = [], {}
+    calls = 1 if view.get("group", 1) == 1 or labels.shape[1] == 1 else 2  # _forward_responses' head calls
 
-    def fused(hidden):  # hidden [b, r + 1, H]: position prompt_width - 1 + t predicts response token t
-        out["logp"], out["entropy"] = head_logprobs_entropy(hidden[:, :-1], head.weight, labels, temperature)
-        return hidden[..., :1]  # what the model returns as its "logits"; unused
+    def fused(h):  # the hidden states the head sees; the last call has them all
+        hidden.append(h)
+        if len(hidden) == calls:
+            h_all = combine_head_outputs(hidden, view)  # [b, r, H]
+            out["logp"], out["entropy"] = head_logprobs_entropy(h_all, head.weight, labels, temperature)
+        return h[..., :1]  # what the model returns as its "logits"; unused
 
     head.forward = fused
     try:
-        response_logits(model, view, device)
+        _forward_responses(model, view, device)
     finally:
         del head.forward  # the class's forward again
     return out["logp"], out["entropy"] if entropy_grad else out["entropy"].detach()

@@ -443,7 +443,8 @@ def main():
         samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
         # ---- advantages: each prompt's group lives on one rank (REINFORCE++ whitens over all ranks' tokens)
-        batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id)
+        group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
+        batch = make_batch([r["prompt_ids"] for r in samples], out.response_ids, pad_id, group)
         mask = batch["response_mask"]  # [N, R]
         estimator = (args.group_size, args.adv_estimator, args.norm_adv_by_std)  # [N], or [N, R] for REINFORCE++
         advantages = compute_advantages(scores, *estimator, mask, total=partial(all_sum_tensor, device=device))

@@ -124,6 +124,13 @@ def parse_args(argv=None):
         default=True,
         help="also run ours with --rollout hf against TRL's model.generate (the apples-to-apples comparison)",
     )
+    p.add_argument(
+        "--share-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ours runs each prompt once per group in the update (train_grpo.py --share-prompts, its default); "
+        "TRL runs it once per completion",
+    )
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (ours --prompt-batch-size)")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt, n (TRL num_generations)")
     p.add_argument(
@@ -439,17 +446,21 @@ def matmul_rate(threads, size=2048, reps=15):
 
 def update_mfu(runs, warmup, n_matmul, rate):
     """Model-FLOPs utilisation of the update phase, pooled over the runs' kept steps: 6 FLOPs per matmul
-    weight per token (forward 2, backward 4), the blocks' weights over the real tokens, prompt and
-    answer, and the head's over the answer's (padding is not useful work), divided by the update's time
-    and by the measured matmul rate. Attention's own FLOPs are left out (about 1% at these lengths)."""
+    weight per token (forward 2, backward 4), the blocks' weights over the real tokens the update
+    computes, prompt and answer (with shared prompts, each prompt once per group), and the head's over
+    the answer's (padding is not useful work), divided by the update's time and by the measured matmul
+    rate. Attention's own FLOPs are left out (about 1% at these lengths)."""
     body, head = n_matmul
     records = [r for run in runs for r in kept(run, warmup)]
 
+    def tokens(r):
+        return r.get("update_prompt_tokens", r["prompt_tokens"]) + r["gen_tokens"]
+
     def flops(r):
-        return 6 * (body * (r["prompt_tokens"] + r["gen_tokens"]) + head * r["gen_tokens"])
+        return 6 * (body * tokens(r) + head * r["gen_tokens"])
 
     return dict(
-        tokens=statistics.median(r["prompt_tokens"] + r["gen_tokens"] for r in records),
+        tokens=statistics.median(tokens(r) for r in records),
         gflop=statistics.median(flops(r) for r in records) / 1e9,
         update_s=statistics.median(r["update_s"] for r in records),
         gflops=statistics.median(flops(r) / r["update_s"] for r in records) / 1e9,
@@ -519,6 +530,7 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         mini_batch_size=args.prompts,
         micro_batch_size=args.prompts * n,
         micro_batch_tokens=args.micro_batch_tokens,
+        share_prompts=args.share_prompts,
         ppo_epochs=1,
         lr=args.lr,
         lr_schedule="constant",
@@ -568,6 +580,8 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
                 sync_s=m["timing_s/update_weights"],
                 gen_tokens=m["response_length/mean"] * args.prompts * n,
                 prompt_tokens=m["prompt_length/mean"] * args.prompts * n,
+                # the prompt tokens the update computes: with shared prompts, one prompt per group
+                update_prompt_tokens=m["prompt_length/mean"] * args.prompts * (1 if args.share_prompts else n),
                 rss_gb=m["perf/max_memory_allocated_gb"],
             )
         )
@@ -880,6 +894,7 @@ def main():
             ["completions per step", args.prompts * args.group_size],
             ["max new tokens", args.response_length],
             ["optimizer steps per rollout", 1],
+            ["prompts in the update", "ours: once per group; TRL: once per completion" if args.share_prompts else "once per completion (both)"],
             [
                 "sequences per forward/backward",
                 (
@@ -1053,7 +1068,7 @@ def main():
     print_table(
         f"the update's model-FLOPs utilisation (MFU) against the measured fp32 matmul rate, {rate / 1e9:.0f} GFLOP/s "
         f"(2048^3 products on {args.threads} threads; {', '.join(f'{r / 1e9:.0f}' for r in rates)} before and after the rounds)",
-        ["system", "real tokens per update", "model GFLOP", "update s", "GFLOP/s", "MFU"],
+        ["system", "tokens the update computes", "model GFLOP", "update s", "GFLOP/s", "MFU"],
         [
             [
                 k,

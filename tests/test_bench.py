@@ -55,6 +55,10 @@ def test_update_mfu_is_model_flops_over_time_over_the_machine_rate():
     # the head multiplies only the answer's tokens: 6 x 2M x 3000 more FLOPs, not 6 x 2M x 4000
     out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 2_000_000), rate=24e9)
     assert out["gflop"] == 24.0 + 36.0 and out["gflops"] == 30.0 and out["mfu"] == 1.25
+    # shared prompts: the update computes each prompt once per group (here 250 of the 1000 tokens)
+    shared = [dict(s, update_prompt_tokens=250) for s in steps]
+    out = bench.update_mfu([{"records": shared}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
+    assert out["tokens"] == 3250 and out["gflop"] == 19.5
 
 
 def test_the_gsm8k_setups_say_how_to_build_what_they_need(tmp_path):

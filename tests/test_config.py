@@ -129,6 +129,7 @@ BAD = [
     (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
     (["--health-bands", "nope=1"], "--health-bands 'nope=1': expected name=value"),
     (["--resume", "no/such/global_step_3"], "--resume no/such/global_step_3: no such directory"),
+    (["--share-prompts", "--grad-checkpointing"], "--share-prompts needs the KV cache, which --grad-checkpointing drops"),
 ]
 
 
@@ -396,3 +397,12 @@ def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
     assert config.parse_args(["--lr", "1e-3"]).lr == 1e-3
     real = config.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
     assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
+
+
+def test_grad_checkpointing_turns_shared_prompts_off_unless_asked_for(monkeypatch):
+    """Checkpointed layers drop the KV cache that shared prompts need: --grad-checkpointing alone turns
+    them off (and the resolved config says so); asking for both is refused (BAD above)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert config.parse_args(["--model", "m"]).share_prompts is True
+    assert config.parse_args(["--model", "m", "--grad-checkpointing"]).share_prompts is False
+    assert config.parse_args(["--model", "m", "--no-share-prompts"]).share_prompts is False

@@ -85,3 +85,70 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     for name in plain:
         torch.testing.assert_close(fused[name], plain[name], atol=1e-5, rtol=0, msg=name)
     assert "forward" not in vars(model.lm_head)  # the head is itself again
+
+
+def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(tmp_path):
+    """With shared prompts (make_batch(group=n)) each group's prompt runs once, the n responses on
+    top of its KV cache. Against one forward per full sequence: the same log-probs, entropies and
+    gradients for every parameter (through the cache, too) to 1e-5, with prompts of different
+    lengths (left padding), responses of different lengths (right padding), a micro-batch of whole
+    groups cut by size and by tokens, one-token responses, the fused head and the logits path."""
+    from transformers import AutoModelForCausalLM
+
+    import data_prep
+    from models import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
+    g = torch.Generator().manual_seed(2)
+    n, prompt_lens = 3, (4, 9, 2, 6)
+    prompts = [p for p in (torch.randint(3, 20, (k,), generator=g).tolist() for k in prompt_lens) for _ in range(n)]
+    resp_lens = [5, 1, 8, 2, 2, 3, 7, 1, 4, 1, 6, 6]
+    responses = [torch.randint(3, 20, (r,), generator=g).tolist() for r in resp_lens]
+    plain, shared = policy.make_batch(prompts, responses, 0), policy.make_batch(prompts, responses, 0, group=n)
+    weights = torch.randn(plain["response_mask"].shape, generator=g)
+
+    def run(batch, rows, fused=True):
+        view, mask = policy.window(batch, rows), batch["response_mask"][rows][:, : max(resp_lens[i] for i in rows)]
+        head = model.lm_head.forward
+        if not fused:  # a head we cannot fuse takes the logits path
+            model.lm_head.forward = lambda h: torch.nn.functional.linear(h, model.lm_head.weight)
+        try:
+            model.zero_grad()
+            logp, entropy = policy.response_logprobs(model, view, CPU, temperature=0.7, entropy_grad=True)
+        finally:
+            model.lm_head.forward = head
+        (((logp * weights[rows, : logp.shape[1]] + 0.1 * entropy) * mask).sum()).backward()
+        return logp * mask, entropy * mask, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    for rows in ([0, 1, 2], [3, 4, 5, 6, 7, 8], list(range(12)), [9, 10, 11]):
+        for fused in (True, False):
+            want, got = run(plain, rows, fused), run(shared, rows, fused)
+            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+            for name in want[2]:
+                torch.testing.assert_close(got[2][name], want[2][name], atol=1e-5, rtol=0, msg=name)
+    one = policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0, group=n), [0, 1, 2])  # r = 1: one forward
+    torch.testing.assert_close(
+        policy.response_logprobs(model, one, CPU, 1.0)[0],
+        policy.response_logprobs(model, policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0), [0, 1, 2]), CPU, 1.0)[0],
+    )
+    # micro-batches hold whole groups: by size (at least one group), and by tokens (a prompt per group)
+    rows = list(range(12))
+    assert policy.micro_batches(shared, rows, 4, 0) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert policy.micro_batches(shared, rows, 6, 0) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    assert policy.micro_batches(shared, rows, 2, 0) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    packed = policy.micro_batches(shared, rows, 99, 40)
+    assert sorted(sum(packed, [])) == rows and all(len(mb) % n == 0 and mb[0] % n == 0 for mb in packed)
+    for mb in packed:
+        view = policy.window(shared, mb)
+        cost = len(mb) // n * view["prompt_width"] + len(mb) * view["responses"].shape[1]
+        assert len(mb) == n or cost <= 40
+    got = policy.compute_logprobs(model, shared, 99, 40, temperature=1.0, device=CPU)
+    want = policy.compute_logprobs(model, plain, 99, 40, temperature=1.0, device=CPU)
+    torch.testing.assert_close(got * plain["response_mask"], want * plain["response_mask"], atol=1e-5, rtol=0)
+    import pytest
+
+    with pytest.raises(ValueError, match="not one group of 3"):
+        policy.make_batch(prompts[1:], responses[1:], 0, group=n)
+    with pytest.raises(ValueError, match="whole groups of 3"):
+        policy.micro_batches(shared, [1, 2, 3], 4, 0)

@@ -52,10 +52,12 @@ def final_weights(out_dir):
 
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
-    """The same short run on the vLLM engine with 1 rank and with 2 ranks."""
+    """The same short run on the vLLM engine with 1 rank and with 2 ranks; 1 rank runs every
+    sequence whole (--no-share-prompts), 2 ranks each group's prompt once (the default)."""
     root = tmp_path_factory.mktemp("vllm")
     for ranks in (1, 2):
-        proc = train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", ranks=ranks)
+        shared = "--share-prompts" if ranks == 2 else "--no-share-prompts"
+        proc = train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", shared, ranks=ranks)
         (root / f"ranks{ranks}.log").write_text(proc.stdout)
     return root
 
@@ -110,6 +112,8 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
 
 @pytest.mark.slow
 def test_one_and_two_ranks_give_the_same_update(vllm_runs):
+    """And shared prompts the same as whole sequences: under FSDP2 the prompt's forward and the
+    responses' forward both reach the sharded weights' gradients."""
     one, two = metrics(vllm_runs / "ranks1"), metrics(vllm_runs / "ranks2")
     for a, b in zip(one[1:], two[1:]):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
