@@ -87,7 +87,8 @@ class Args:
     """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
     micro_batch_tokens: int = 0
     """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
-    per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu)."""
+    per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu); with
+    --share-prompts, whole groups, each prompt counted once."""
     share_prompts: bool = True
     """Run each prompt once per group in the update and the log-prob passes, its n responses on top of
     its KV cache, instead of once per response: the same numbers (to float rounding) for fewer tokens.

@@ -530,7 +530,6 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         mini_batch_size=args.prompts,
         micro_batch_size=args.prompts * n,
         micro_batch_tokens=args.micro_batch_tokens,
-        share_prompts=args.share_prompts,
         ppo_epochs=1,
         lr=args.lr,
         lr_schedule="constant",
@@ -557,6 +556,7 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         "--no-val-before-train",
         "--no-save-model",
         "--no-engine-logprobs",
+        "--share-prompts" if args.share_prompts else "--no-share-prompts",
     ]
     t = time.perf_counter()
     ok, error, other_load = run_process(cmd, run_dir, args.threads)
