@@ -58,7 +58,9 @@ def micro_batches(batch, rows, size, max_tokens=0):
     micro-batch holds whole groups (at least one, even when n > size), and costs a prompt per group
     plus a response per row."""
     n = batch.get("group", 1)
-    if n > 1 and (len(rows) % n or any(rows[i] % n or rows[i + n - 1] != rows[i] + n - 1 for i in range(0, len(rows), n))):
+    if n > 1 and (
+        len(rows) % n or any(rows[i] % n or rows[i + n - 1] != rows[i] + n - 1 for i in range(0, len(rows), n))
+    ):
         raise ValueError(f"micro_batches: rows must be whole groups of {n} with shared prompts")
     units = [rows[i : i + n] for i in range(0, len(rows), n)]  # one group each, or one row
     if max_tokens <= 0:
@@ -106,7 +108,9 @@ def _forward_responses(model, view, device):
     if n == 1:
         return [model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=r + 1)]
     kw = dict(use_cache=True)
-    first = model(input_ids=ids[::n, :p], attention_mask=mask[::n, :p], position_ids=pos[::n, :p], logits_to_keep=1, **kw)
+    first = model(
+        input_ids=ids[::n, :p], attention_mask=mask[::n, :p], position_ids=pos[::n, :p], logits_to_keep=1, **kw
+    )
     cache = first.past_key_values
     if cache is None or cache.get_seq_length() != p:  # e.g. gradient checkpointing drops the cache
         raise RuntimeError(f"{type(model).__name__} returned no KV cache of the prompts: run without shared prompts")
@@ -115,7 +119,11 @@ def _forward_responses(model, view, device):
     cache.batch_repeat_interleave(n)  # [G, ...] -> [G * n, ...], one copy per response
     cols = slice(p, p + r - 1)  # response tokens 0 .. r - 2 predict tokens 1 .. r - 1
     second = model(
-        input_ids=ids[:, cols], attention_mask=mask[:, : p + r - 1], position_ids=pos[:, cols], past_key_values=cache, **kw
+        input_ids=ids[:, cols],
+        attention_mask=mask[:, : p + r - 1],
+        position_ids=pos[:, cols],
+        past_key_values=cache,
+        **kw,
     )
     if cache.get_seq_length() != p + r - 1:
         raise RuntimeError(f"{type(model).__name__} did not attend to the cached prompts: run without shared prompts")

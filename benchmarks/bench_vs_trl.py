@@ -894,7 +894,12 @@ def main():
             ["completions per step", args.prompts * args.group_size],
             ["max new tokens", args.response_length],
             ["optimizer steps per rollout", 1],
-            ["prompts in the update", "ours: once per group; TRL: once per completion" if args.share_prompts else "once per completion (both)"],
+            [
+                "prompts in the update",
+                "ours: once per group; TRL: once per completion"
+                if args.share_prompts
+                else "once per completion (both)",
+            ],
             [
                 "sequences per forward/backward",
                 (

@@ -129,7 +129,10 @@ BAD = [
     (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
     (["--health-bands", "nope=1"], "--health-bands 'nope=1': expected name=value"),
     (["--resume", "no/such/global_step_3"], "--resume no/such/global_step_3: no such directory"),
-    (["--share-prompts", "--grad-checkpointing"], "--share-prompts needs the KV cache, which --grad-checkpointing drops"),
+    (
+        ["--share-prompts", "--grad-checkpointing"],
+        "--share-prompts needs the KV cache, which --grad-checkpointing drops",
+    ),
 ]
 
 

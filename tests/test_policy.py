@@ -130,7 +130,9 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
     one = policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0, group=n), [0, 1, 2])  # r = 1: one forward
     torch.testing.assert_close(
         policy.response_logprobs(model, one, CPU, 1.0)[0],
-        policy.response_logprobs(model, policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0), [0, 1, 2]), CPU, 1.0)[0],
+        policy.response_logprobs(
+            model, policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0), [0, 1, 2]), CPU, 1.0
+        )[0],
     )
     # micro-batches hold whole groups: by size (at least one group), and by tokens (a prompt per group)
     rows = list(range(12))
