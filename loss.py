@@ -54,108 +54,144 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
 
 class _HeadLogProbEntropy(torch.autograd.Function):
     """The chosen tokens' log-probs and the entropies, straight from the final hidden states and
-    the LM head's weight, `chunk` tokens at a time: z = h W^T / temp exists for one chunk of
-    tokens at a time, in the forward and again (recomputed) in the backward, never for the whole
-    batch. With a 151,936-row vocabulary the logits of a batch outweigh the model's activations.
+    the LM head's weight, one block of `rows` tokens x `cols` vocabulary entries at a time: the
+    logits z = h W^T / temp exist for one block at a time, in the forward and again (recomputed) in
+    the backward, never for the whole batch. With a 151,936-row vocabulary the logits of a batch
+    outweigh the model's activations.
 
         logp = z[label] - logsumexp(z)            H = logsumexp(z) - sum_j p_j z_j,   p = softmax(z)
         d logp / d z = onehot(label) - p         dH / d z = -p * (log p + H)
 
-    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N]), fp32 (the matmul runs in
-    the inputs' dtype, the softmax in fp32). The entropy's backward runs only if the loss uses it.
+    On CPU a block is 1 MiB of fp32 (512 x 512, a core's L2 cache here): it stays in cache between
+    the matmul that writes it and the passes of the softmax that read it. A block of whole rows of a
+    151,936 vocabulary (64 MiB) goes to memory and back for each pass, and each pass then cost
+    about as much as the matmul (BENCHMARKS.md). On GPUs a block is whole rows, few large kernels.
+
+    The forward keeps, per token and vocabulary block b, the block's max m_b and, shifted by it,
+    s_b = sum_j exp(z_j - m_b) and t_b = sum_j exp(z_j - m_b)(z_j - m_b), and combines them with
+    M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
+    logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
+
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N]), fp32 (the matmuls in the
+    inputs' dtype, the softmax in fp32). The entropy's backward runs only if the loss uses it.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, chunk):
+    def forward(ctx, hidden, weight, labels, temperature, rows, cols):
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
-        n = labels.shape[0]
-        logp, lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
-        z, e = _chunk_buffers(hidden, weight, chunk, 2)
-        for s in range(0, n, chunk):
-            c = slice(s, s + chunk)
-            zc = _scaled_logits(hidden[c], weight, temperature, z)  # [c, V]
-            ec = e[: zc.shape[0]]
-            m = zc.amax(-1, keepdim=True)
-            zc.sub_(m)  # z - max: exp cannot overflow, and the entropy below does not cancel
-            torch.exp(zc, out=ec)
-            total = ec.sum(-1)  # sum_j exp(z_j - max)
-            lse_shifted = total.log()
-            logp[c] = zc.gather(-1, labels[c, None]).squeeze(-1) - lse_shifted
-            # H = logsumexp(z) - sum_j p_j z_j, both shifted by max: one dot product per row, no [c, V] temporary
-            entropy[c] = lse_shifted - torch.bmm(ec[:, None, :], zc[:, :, None]).view(-1) / total
-            lse[c] = lse_shifted + m.squeeze(-1)
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        n, V = labels.shape[0], weight.shape[0]
+        scaled = hidden if temperature == 1.0 else hidden / temperature  # z = (h / temp) W^T
+        lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        z, e = _block_buffers(hidden, rows, cols, V, 2)
+        vocab_blocks = list(_spans(V, cols))
+        for r in _spans(n, rows):
+            m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
+            for b, v in enumerate(vocab_blocks):
+                zb = _logits_block(scaled[r], weight[v], z)  # [r, k]
+                torch.amax(zb, -1, out=m[b])
+                d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
+                p = torch.exp(d, out=zb)  # the logits are not needed again
+                torch.sum(p, -1, out=s[b])
+                torch.sum(p.mul_(d), -1, out=t[b])
+            top = m.amax(0)
+            w = torch.exp(m - top)
+            total = (s * w).sum(0)
+            lse[r] = top + total.log()
+            entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
+        logp = _label_logits(scaled, weight, labels) - lse
+        ctx.save_for_backward(scaled, weight, labels, lse, entropy)
+        ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        # d loss / d z = g_logp (onehot - p) - g_entropy p (z - lse + H) = p (a z + c) + g_logp onehot,
+        # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last.
+        scaled, weight, labels, lse, entropy = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
-        fp32 = hidden.dtype == torch.float32
-        z, p = _chunk_buffers(hidden, weight, ctx.chunk, 2)
-        for s in range(0, labels.shape[0], ctx.chunk):
-            c = slice(s, s + ctx.chunk)
-            log_p = _scaled_logits(hidden[c], weight, ctx.temperature, z).sub_(lse[c, None])  # [c, V]
-            pc = torch.exp(log_p, out=p[: log_p.shape[0]])
-            # g = g_logp * (onehot - p) - g_entropy * p * (log p + H) = -p * coef (+ g_logp at the label)
-            if g_entropy is None:
-                pc.mul_(g_logp[c, None].float().neg())
-            else:
-                coef = log_p.add_(entropy[c, None]).mul_(g_entropy[c, None].float())  # [c, V], reusing log_p
-                if g_logp is not None:
-                    coef.add_(g_logp[c, None].float())
-                pc.mul_(coef).neg_()
-            g = pc
-            if g_logp is not None:
-                g.scatter_add_(-1, labels[c, None], g_logp[c, None].float())
-            if ctx.temperature != 1.0:
-                g.div_(ctx.temperature)
-            if fp32:  # d loss / d (h W^T) into the gradients, in place
+        n, V = labels.shape[0], weight.shape[0]
+        grad_h = torch.zeros(scaled.shape, dtype=torch.float32, device=scaled.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        zero = torch.zeros(n, device=scaled.device)
+        g_logp = zero if g_logp is None else g_logp.float()
+        a = None if g_entropy is None else -g_entropy.float()
+        c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
+        z, e = _block_buffers(scaled, ctx.rows, ctx.cols, V, 2)
+        for r in _spans(n, ctx.rows):
+            for v in _spans(V, ctx.cols):
+                zb = _logits_block(scaled[r], weight[v], z)  # [r, k]
+                g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
+                if a is None:
+                    g.mul_(c[r, None])
+                else:
+                    g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
                 if want_h:
-                    torch.mm(g, weight, out=grad_h[c])  # [c, V] @ [V, H]
+                    _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
                 if want_w:
-                    grad_w.addmm_(g.T, hidden[c])  # [V, c] @ [c, H]
-            else:
-                g = g.to(hidden.dtype)
-                if want_h:
-                    grad_h[c] = g @ weight
-                if want_w:
-                    grad_w += (g.T @ hidden[c]).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+                    _add_product(grad_w[v], g.T, scaled[r])  # [k, r] @ [r, H]
+        if want_h:  # the onehot term, then d z / d h = W / temp
+            grad_h.add_(g_logp[:, None] * weight[labels].float()).div_(ctx.temperature)
+        if want_w:
+            grad_w.index_add_(0, labels, g_logp[:, None] * scaled.float())
+        grad_h = None if grad_h is None else grad_h.to(scaled.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def _chunk_buffers(hidden, weight, chunk, count):
-    """`count` fp32 [chunk, V] blocks that every chunk of the loop reuses. On CPU a fresh tensor of
-    that size (64 MiB) per op comes from the kernel (glibc mmaps anything above 32 MiB) and is
-    zeroed page by page each time: at the Qwen-vocabulary shape that was 45% of the fused head's
-    time (3.40 s against 1.86 s for 1536 tokens, BENCHMARKS.md)."""
-    rows = min(chunk, hidden.shape[0])
-    return [torch.empty(rows, weight.shape[0], dtype=torch.float32, device=hidden.device) for _ in range(count)]
+def _spans(n, size):
+    """slice(0, size), slice(size, 2 size), ... covering range(n)."""
+    return (slice(s, min(s + size, n)) for s in range(0, n, size))
 
 
-def _scaled_logits(hidden, weight, temperature, out):
-    """h W^T / temperature in fp32 into the first rows of `out`: [c, H] x [V, H] -> [c, V] (the
-    matmul in the inputs' dtype)."""
-    z = out[: hidden.shape[0]]
+def _block_buffers(hidden, rows, cols, V, count):
+    """`count` flat fp32 buffers of one [rows, cols] block, reused by every block of the loop. On
+    CPU a fresh tensor above 32 MiB comes from the kernel (glibc mmaps it) and is zeroed page by
+    page each time: with [chunk, V] blocks that was 45% of the fused head's time (BENCHMARKS.md)."""
+    size = min(rows, hidden.shape[0]) * min(cols, V)
+    return [torch.empty(size, dtype=torch.float32, device=hidden.device) for _ in range(count)]
+
+
+def _block(buffer, shape):
+    """A contiguous [r, k] view of the first r x k entries of a flat buffer."""
+    return buffer[: shape[0] * shape[1]].view(shape)
+
+
+def _logits_block(hidden, weight, buffer):
+    """hidden [r, H] x weight [k, H] -> the fp32 logits [r, k], in `buffer` (the matmul in the
+    inputs' dtype)."""
+    z = _block(buffer, (hidden.shape[0], weight.shape[0]))
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-        torch.mm(hidden, weight.T, out=z)
+        return torch.mm(hidden, weight.T, out=z)
+    return z.copy_(hidden @ weight.T)
+
+
+def _label_logits(hidden, weight, labels):
+    """z[label] = h . W[label] for each token, as a batched matmul in the inputs' dtype: rounded as
+    the head's matmul rounds its logits. [N, H], [V, H], [N] -> [N] fp32."""
+    return torch.bmm(hidden[:, None, :], weight[labels][:, :, None]).view(-1).float()
+
+
+def _add_product(out, a, b):
+    """out += a @ b: in place when all three are fp32, else the product in b's dtype."""
+    if out.dtype == a.dtype == b.dtype:
+        out.addmm_(a, b)
     else:
-        z.copy_(hidden @ weight.T)
-    return z if temperature == 1.0 else z.div_(temperature)
+        out += (a.to(b.dtype) @ b).float()
 
 
-def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, chunk=None):
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None):
     """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
-    with the LM head a chunk of tokens at a time (_HeadLogProbEntropy): hidden [B, T, H], weight
-    [V, H], labels [B, T] -> (logp [B, T], entropy [B, T]) in fp32 nats. `chunk` (tokens) defaults
-    to about 16M logits per chunk: 110 tokens for a 151,936-row vocabulary."""
-    chunk = chunk or max(1, 2**24 // weight.shape[0])
+    with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
+    (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
+    entropy [B, T]) in fp32 nats. Blocks default to 512 x 512 on CPU, and on GPUs to whole
+    vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row vocabulary)."""
+    V = weight.shape[0]
+    if hidden.device.type == "cpu":
+        rows, cols = rows or 512, cols or 512
+    else:
+        rows, cols = rows or max(1, 2**24 // V), cols or V
     B, T = labels.shape
     logp, entropy = _HeadLogProbEntropy.apply(
-        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(chunk)
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols)
     )
     return logp.view(B, T), entropy.view(B, T)
 

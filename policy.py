@@ -155,7 +155,7 @@ def fusable_head(model):
 def response_logprobs(model, view, device, temperature, entropy_grad=False):
     """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32.
 
-    The head and the log-softmax run together, a chunk of tokens at a time
+    The head and the log-softmax run together, a block of tokens x vocabulary entries at a time
     (loss.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
     pass we have the model call our function in place of its LM head's forward, where FSDP2 has
     gathered the head's weight (with shared prompts, on the second forward, with the hidden states

@@ -94,37 +94,47 @@ def test_logprobs_of_a_response_slice_need_no_copy_of_it():
     )
 
 
-@pytest.mark.parametrize("temperature, chunk", [(1.0, 7), (0.7, 37), (1.3, 10_000)])
-def test_head_logprobs_and_entropy_equal_the_logits_path_in_value_and_gradient(temperature, chunk):
-    """From hidden states and the head's weight, a chunk of tokens at a time, against log_softmax and
-    the entropy of the full logits in fp64: every output and both gradients (logp and entropy both
-    in the loss), to 1e-5."""
+@pytest.mark.parametrize(
+    "temperature, rows, cols, dtype",
+    [
+        (1.0, 7, 700, torch.float64),
+        (1.0, 7, 700, torch.float32),
+        (0.7, 37, 3000, torch.float64),
+        (1.3, 10_000, 512, torch.float32),
+        (1.0, 1000, 1, torch.float64),
+    ],
+)
+def test_head_logprobs_and_entropy_equal_the_logits_path_in_value_and_gradient(temperature, rows, cols, dtype):
+    """From hidden states and the head's weight, a block of tokens x vocabulary entries at a time
+    (uneven last blocks, whole vocabulary rows, one entry per block; fp32 runs the in-place
+    matmuls), against log_softmax and the entropy of the full logits in fp64: every output and both
+    gradients (logp and entropy both in the loss), to 1e-5."""
     torch.manual_seed(0)
-    hidden = torch.randn(3, 50, 32, dtype=torch.float64, requires_grad=True)
-    weight = (torch.randn(3000, 32, dtype=torch.float64) * 0.3).requires_grad_()
+    hidden = torch.randn(3, 50, 32, dtype=torch.float64)
+    weight = torch.randn(3000, 32, dtype=torch.float64) * 0.3
     labels = torch.randint(0, 3000, (3, 50))
     g_logp, g_ent = torch.randn(3, 50, dtype=torch.float64), torch.randn(3, 50, dtype=torch.float64)
-    logp, ent = head_logprobs_entropy(hidden, weight, labels, temperature, chunk=chunk)
-    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
-    ours = hidden.grad.clone(), weight.grad.clone()
-    hidden.grad = weight.grad = None
+    h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    logp, ent = head_logprobs_entropy(h, w, labels, temperature, rows, cols)
+    ((logp * g_logp.to(dtype)).sum() + (ent * g_ent.to(dtype)).sum()).backward()
+    hidden.requires_grad_(), weight.requires_grad_()
     z = hidden @ weight.T / temperature  # [3, 50, V]
     ent_ref = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
     logp_ref = naive_logprobs(hidden @ weight.T, labels, temperature)
     ((logp_ref * g_logp).sum() + (ent_ref * g_ent).sum()).backward()
     torch.testing.assert_close(logp.double(), logp_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ent_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours[0], hidden.grad, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours[1], weight.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h.grad.double(), hidden.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.grad.double(), weight.grad, atol=1e-5, rtol=0)
 
 
 def test_head_logprobs_keep_no_logits_and_skip_a_frozen_heads_gradient():
     hidden = torch.randn(1, 64, 16, requires_grad=True)
     weight = torch.randn(20_000, 16)  # frozen, as under LoRA
     labels = torch.randint(0, 20_000, (1, 64))
-    saved = saved_bytes(lambda: head_logprobs_entropy(hidden, weight, labels, chunk=8), hidden)
+    saved = saved_bytes(lambda: head_logprobs_entropy(hidden, weight, labels, rows=8), hidden)
     assert saved < weight.numel() * 4 + 64 * 4 * 10  # the weight itself and a few numbers per token: no [64, V] logits
-    logp, ent = head_logprobs_entropy(hidden, weight, labels, chunk=8)
+    logp, ent = head_logprobs_entropy(hidden, weight, labels, rows=8)
     logp.sum().backward()  # the entropy unused: only logged
     assert hidden.grad is not None and weight.grad is None
 
