@@ -145,7 +145,8 @@ def _spans(n, size):
 def _block_buffers(hidden, rows, cols, V, count):
     """`count` flat fp32 buffers of one [rows, cols] block, reused by every block of the loop. On
     CPU a fresh tensor above 32 MiB comes from the kernel (glibc mmaps it) and is zeroed page by
-    page each time: with [chunk, V] blocks that was 45% of the fused head's time (BENCHMARKS.md)."""
+    page each time: with 64 MiB blocks of whole vocabulary rows that was 45% of the fused head's time
+    (BENCHMARKS.md). GPU blocks are that large; the buffers are reused there too."""
     size = min(rows, hidden.shape[0]) * min(cols, V)
     return [torch.empty(size, dtype=torch.float32, device=hidden.device) for _ in range(count)]
 

@@ -296,7 +296,7 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     surrogate (--loss-mode), + kl_coef x the KL to the reference, - entropy_coef x the entropy, each
     aggregated by `agg`. Returns (loss, {name: number} of every term for the log, old log-probs [b, r])."""
     m, r = view["response_mask"].to(device), view["responses"].shape[1]  # [b, r]
-    # [b, r] each; the head and softmax run a chunk of tokens at a time, never the whole [b, r, V]
+    # [b, r] each; the head and softmax run a block at a time, never the whole [b, r, V]
     logp, token_entropy = response_logprobs(policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0)
     old = logp.detach() if old_logp is None else old_logp[rows, :r].to(device)  # on-policy: ratio 1
     is_weights = None
