@@ -23,9 +23,17 @@ dropped: a critic (GRPO needs none), KL in the reward (we use the KL loss, as ve
 examples do), multi-turn rollouts and sequence packing.
 """
 
+import os
+
+# Large CPU tensors in 2 MiB transparent huge pages: torch's CPU allocator asks the kernel for them
+# (madvise) when this variable is set, before its first large allocation. Every micro-batch allocates
+# tensors of [vocab, hidden] (the tied embedding's and the head's gradients, FSDP2's gathered weights);
+# in 4 KiB pages each costs one page fault per page (BENCHMARKS.md, the Qwen-vocabulary section).
+# No effect on GPU tensors, nor where the kernel's huge pages are off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 import dataclasses
 import math
-import os
 import random
 import textwrap
 import time

@@ -484,7 +484,15 @@ def run_process(cmd, run_dir, threads, timeout=3600):
     """Run cmd with its output in run_dir/log.txt; returns (ok, last error line, other load). The other
     load is the share of the machine's cores that processes other than this run kept busy meanwhile:
     anything above a few percent means the timings of this run are disturbed."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    # THP_MEM_ALLOC_ENABLE: train_grpo.py turns on torch's huge-page allocation for itself; TRL gets it
+    # here too, so the comparison is between the trainers and not about an environment variable
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        THP_MEM_ALLOC_ENABLE="1",
+    )
     (busy0, ours0), t0 = busy_cpu_seconds(), time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         try:
