@@ -72,16 +72,18 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
     logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
 
-    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N]), fp32 (the matmuls in the
-    inputs' dtype, the softmax in fp32). The entropy's backward runs only if the loss uses it.
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy),
+    fp32 (the matmuls in the inputs' dtype, the softmax in fp32). The entropy's backward runs only if
+    the loss uses it.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, rows, cols):
+    def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy):
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
         n, V = labels.shape[0], weight.shape[0]
         scaled = hidden if temperature == 1.0 else hidden / temperature  # z = (h / temp) W^T
-        lse, entropy = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         z, e = _block_buffers(hidden, rows, cols, V, 2)
         vocab_blocks = list(_spans(V, cols))
         for r in _spans(n, rows):
@@ -92,12 +94,14 @@ class _HeadLogProbEntropy(torch.autograd.Function):
                 d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
                 p = torch.exp(d, out=zb)  # the logits are not needed again
                 torch.sum(p, -1, out=s[b])
-                torch.sum(p.mul_(d), -1, out=t[b])
+                if with_entropy:
+                    torch.sum(p.mul_(d), -1, out=t[b])
             top = m.amax(0)
             w = torch.exp(m - top)
             total = (s * w).sum(0)
             lse[r] = top + total.log()
-            entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
+            if with_entropy:
+                entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
         logp = _label_logits(scaled, weight, labels) - lse
         ctx.save_for_backward(scaled, weight, labels, lse, entropy)
         ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
@@ -134,7 +138,7 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         if want_w:
             grad_w.index_add_(0, labels, g_logp[:, None] * scaled.float())
         grad_h = None if grad_h is None else grad_h.to(scaled.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def _spans(n, size):
@@ -179,22 +183,23 @@ def _add_product(out, a, b):
         out += (a.to(b.dtype) @ b).float()
 
 
-def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None):
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True):
     """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
     with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
     (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
-    entropy [B, T]) in fp32 nats. Blocks default to 512 x 512 on CPU, and on GPUs to whole
-    vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row vocabulary)."""
+    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to 512 x 512 on CPU,
+    and on GPUs to whole vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row
+    vocabulary)."""
     V = weight.shape[0]
     if hidden.device.type == "cpu":
         rows, cols = rows or 512, cols or 512
     else:
         rows, cols = rows or max(1, 2**24 // V), cols or V
     B, T = labels.shape
-    logp, entropy = _HeadLogProbEntropy.apply(
-        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols)
+    logp, ent = _HeadLogProbEntropy.apply(
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy
     )
-    return logp.view(B, T), entropy.view(B, T)
+    return logp.view(B, T), None if ent is None else ent.view(B, T)
 
 
 def _chunks(shape, chunk):

@@ -152,8 +152,9 @@ def fusable_head(model):
     return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
 
 
-def response_logprobs(model, view, device, temperature, entropy_grad=False):
-    """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32.
+def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True):
+    """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32;
+    with entropy=False the entropy is not computed (None), as the old and reference log-probs need.
 
     The head and the log-softmax run together, a block of tokens x vocabulary entries at a time
     (loss.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
@@ -167,8 +168,8 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
     if head is None:
         logits = response_logits(model, view, device)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits, temperature=temperature)
-        return logprobs_from_logits(logits, labels, temperature), entropy
+            ent = entropy_from_logits(logits, temperature=temperature) if entropy else None
+        return logprobs_from_logits(logits, labels, temperature), ent
     hidden, out = [], {}
     calls = 1 if view.get("group", 1) == 1 or labels.shape[1] == 1 else 2  # _forward_responses' head calls
 
@@ -176,7 +177,9 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
         hidden.append(h)
         if len(hidden) == calls:
             h_all = combine_head_outputs(hidden, view)  # [b, r, H]
-            out["logp"], out["entropy"] = head_logprobs_entropy(h_all, head.weight, labels, temperature)
+            out["logp"], out["entropy"] = head_logprobs_entropy(
+                h_all, head.weight, labels, temperature, entropy=entropy
+            )
         return h[..., :1]  # what the model returns as its "logits"; unused
 
     head.forward = fused
@@ -184,7 +187,8 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False):
         _forward_responses(model, view, device)
     finally:
         del head.forward  # the class's forward again
-    return out["logp"], out["entropy"] if entropy_grad else out["entropy"].detach()
+    ent = out["entropy"]
+    return out["logp"], ent if entropy_grad or ent is None else ent.detach()
 
 
 @torch.no_grad()
@@ -193,7 +197,7 @@ def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
     out = torch.zeros_like(batch["response_mask"])
     for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
         view = window(batch, rows)
-        logp, _ = response_logprobs(model, view, device, temperature)
+        logp, _ = response_logprobs(model, view, device, temperature, entropy=False)
         out[rows, : logp.shape[1]] = logp.float().cpu()
     return out
 

@@ -8,8 +8,11 @@ and 2 layers with random weights, as in issue 14's measurement: 16 sequences of 
 response tokens. Each path computes the same loss, sum(logp) + 0.01 x sum(entropy) over the response
 tokens, and its backward. Printed: the median seconds of each path (interleaved, after one warm-up),
 the ratio, the update's MFU (the model's FLOPs against the measured fp32 matmul rate; the fused
-head's recomputation is not counted as useful), and the largest difference between the two paths' gradients. Then, over response
-lengths, the bytes each path holds for its backward (the parameters excluded).
+head's recomputation is not counted as useful), and the largest difference between the two paths' gradients. Then
+the entropy's cost in the fused head: the loss sum(logp) with no entropy computed (as the old and
+reference log-probs run), with the entropy computed and logged (the default update), and with its
+gradient (an entropy bonus). Then, over response lengths, the bytes each path holds for its
+backward (the parameters excluded).
 """
 
 import argparse
@@ -42,12 +45,38 @@ def fused(model, view, temperature=1.0):
     return policy.response_logprobs(model, view, CPU, temperature, entropy_grad=True)
 
 
-def step(path, model, view):
+def fused_no_entropy(model, view, temperature=1.0):
+    return policy.response_logprobs(model, view, CPU, temperature, entropy=False)
+
+
+def fused_entropy_logged(model, view, temperature=1.0):
+    return policy.response_logprobs(model, view, CPU, temperature)
+
+
+def step(path, model, view, bonus=0.01):
     model.zero_grad()
     start = time.perf_counter()
     logp, entropy = path(model, view)
-    ((logp + 0.01 * entropy) * view["response_mask"]).sum().backward()
+    loss = logp if entropy is None or not bonus else logp + bonus * entropy
+    (loss * view["response_mask"]).sum().backward()
     return time.perf_counter() - start, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def entropy_cost(model, view, repeats):
+    """The fused head's forward + backward of sum(logp): without the entropy, with it logged, and
+    with its gradient (loss sum(logp) + 0.01 sum(entropy)); medians, interleaved after a warm-up."""
+    runs = {"none": (fused_no_entropy, 0), "logged": (fused_entropy_logged, 0), "bonus": (fused, 0.01)}
+    times = {name: [] for name in runs}
+    for i in range(repeats + 1):
+        for name, (path, bonus) in runs.items():
+            seconds, _ = step(path, model, view, bonus)
+            if i:
+                times[name].append(seconds)
+    none, logged, bonus = (statistics.median(times[k]) for k in runs)
+    print(
+        f"the entropy in the fused head, median of {repeats}: none {none:.3f} s, logged {logged:.3f} s "
+        f"({(logged - none) / logged:+.1%}), with its gradient {bonus:.3f} s ({(bonus - none) / bonus:+.1%})"
+    )
 
 
 def saved_bytes(path, model, view):
@@ -124,6 +153,7 @@ def main():
         f"MFU: logits path {flops / p / rate:.0%}, fused head {flops / f / rate:.0%}"
     )
     print(f"largest gradient difference between the paths: {gap:.1e}")
+    entropy_cost(model, view, args.repeats)
     if args.memory:
         memory_table(model, [int(r) for r in args.memory.split(",")])
 

@@ -128,6 +128,23 @@ def test_head_logprobs_and_entropy_equal_the_logits_path_in_value_and_gradient(t
     torch.testing.assert_close(w.grad.double(), weight.grad, atol=1e-5, rtol=0)
 
 
+def test_head_logprobs_without_entropy_give_the_same_log_probs_and_gradients():
+    """entropy=False (the old and reference log-probs) skips the entropy's pass: no entropy, and the
+    same log-probs and gradients as with the entropy computed and left out of the loss."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 30, 16), torch.randn(900, 16) * 0.3
+    labels = torch.randint(0, 900, (2, 30))
+    out = {}
+    for entropy in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = head_logprobs_entropy(h, w, labels, 0.9, rows=7, cols=100, entropy=entropy)
+        assert (ent is None) == (not entropy)
+        logp.sum().backward()
+        out[entropy] = logp, h.grad, w.grad
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_head_logprobs_keep_no_logits_and_skip_a_frozen_heads_gradient():
     hidden = torch.randn(1, 64, 16, requires_grad=True)
     weight = torch.randn(20_000, 16)  # frozen, as under LoRA

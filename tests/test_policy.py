@@ -85,6 +85,15 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     for name in plain:
         torch.testing.assert_close(fused[name], plain[name], atol=1e-5, rtol=0, msg=name)
     assert "forward" not in vars(model.lm_head)  # the head is itself again
+    # the old and reference log-probs compute no entropy: the fused head, then the logits path (a
+    # head with a bias is not fused)
+    with torch.no_grad():
+        for _ in ("fused", "logits"):
+            logp_only, none = policy.response_logprobs(model, view, CPU, 0.8, entropy=False)
+            assert none is None
+            torch.testing.assert_close(logp_only * mask, logp_ref.detach() * mask, atol=1e-5, rtol=0)
+            model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
+        assert policy.fusable_head(model) is None
 
 
 def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(tmp_path):
