@@ -4,6 +4,7 @@ tiny model (the FSDP2 sharding and weight gathering run in the end-to-end tests)
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,11 +50,20 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
     )
 
 
-def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_path):
+def close_in_fp32(got, want, name):
+    """Gradients summed from many terms in fp32 (the embedding's reach 43 here): equal to 1e-5 of the
+    largest entry, or 1e-5 where all are below 1."""
+    tolerance = 1e-5 * max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= tolerance, (name, (got - want).abs().max().item(), tolerance)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_path, tied):
     """response_logprobs runs the LM head and the softmax together (the model calls our function in
     place of its head's forward). Against the plain path through the logits: the same values and the
-    same gradient for every parameter (the head is tied to the embedding here), to 1e-5; and the
-    head's own forward is back afterwards."""
+    same gradient for every parameter, with the head tied to the embedding and with a head of its
+    own, to 1e-5 (gradients: 1e-5 of their largest entry, if above 1); and the head's own forward is
+    back afterwards."""
     from transformers import AutoModelForCausalLM
 
     import data_prep
@@ -62,6 +72,12 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
     assert policy.fusable_head(model) is model.lm_head and model.lm_head.weight is model.model.embed_tokens.weight
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(
+            model.lm_head.weight.detach() + 0.1 * torch.randn_like(model.lm_head.weight)
+        )
+        model.config.tie_word_embeddings = False
+        assert policy.fusable_head(model) is model.lm_head
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (4, 9, 6)]
     responses = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 2, 7)]
@@ -83,7 +99,7 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     torch.testing.assert_close(logp * mask, logp_ref * mask, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy * mask, entropy_ref * mask, atol=1e-5, rtol=0)
     for name in plain:
-        torch.testing.assert_close(fused[name], plain[name], atol=1e-5, rtol=0, msg=name)
+        close_in_fp32(fused[name], plain[name], name)
     assert "forward" not in vars(model.lm_head)  # the head is itself again
     # the old and reference log-probs compute no entropy: the fused head, then the logits path (a
     # head with a bias is not fused)
@@ -163,3 +179,76 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
         policy.make_batch(prompts[1:], responses[1:], 0, group=n)
     with pytest.raises(ValueError, match="whole groups of 3"):
         policy.micro_batches(shared, [1, 2, 3], 4, 0)
+
+
+def fused_head_on_two_ranks(rank, port, model_dir, tied, results):
+    """One rank of test_fused_head_under_fsdp2: the model sharded over 2 gloo ranks, each rank's own
+    half of the batch through the fused head, the loss summed over both (FSDP2 averages gradients over
+    ranks, so each rank's loss is scaled by 2); returns the full gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from distributed import full_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if not tied:
+        untie(model)
+    policy.shard(model, init_device_mesh("cpu", (2,)), mixed_precision=False)
+    view, weights = grad_case(rows=[[0, 1], [2, 3]][rank])
+    logp, entropy = policy.response_logprobs(model, view, CPU, temperature=0.8, entropy_grad=True)
+    (2 * ((logp * weights + 0.1 * entropy) * view["response_mask"]).sum()).backward()
+    results[rank] = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+    dist.destroy_process_group()
+
+
+def untie(model):
+    g = torch.Generator().manual_seed(2)
+    noise = 0.1 * torch.randn(model.lm_head.weight.shape, generator=g)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + noise)
+    model.config.tie_word_embeddings = False
+
+
+def grad_case(rows):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (4, 9, 6, 3)]
+    responses = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 2, 7, 4)]
+    batch = policy.make_batch(prompts, responses, pad_id=0)
+    weights = torch.randn(batch["response_mask"].shape, generator=g)
+    view = policy.window(batch, rows)
+    return view, weights[rows, : view["response_mask"].shape[1]]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_head_under_fsdp2_gives_the_unsharded_logits_paths_gradients(tmp_path, tied):
+    """The fused head with the model sharded by FSDP2 over 2 ranks (the head's weight is gathered when
+    the model calls our function), tied to the embedding and untied: the gradients of every
+    parameter equal those of the unsharded model through the logits on the whole batch, to 1e-5 of
+    their largest entry."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    import data_prep
+    from loss import entropy_from_logits, logprobs_from_logits
+    from models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(fused_head_on_two_ranks, args=(port, str(model_dir), tied, results), nprocs=2, join=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if not tied:
+        untie(model)
+    view, weights = grad_case(rows=[0, 1, 2, 3])
+    logits = policy.response_logits(model, view, CPU)
+    logp, entropy = logprobs_from_logits(logits, view["responses"], 0.8), entropy_from_logits(logits / 0.8)
+    ((logp * weights + 0.1 * entropy) * view["response_mask"]).sum().backward()
+    assert ("lm_head.weight" in results[0]) == (not tied)
+    for name, param in model.named_parameters():
+        for rank in (0, 1):
+            close_in_fp32(results[rank][name], param.grad, name)
