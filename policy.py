@@ -202,6 +202,27 @@ def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
     return out
 
 
+def activation_gib_per_token(model, device, length=1024):
+    """GiB that autograd holds for the backward, per token of a micro-batch through
+    response_logprobs: the activations, which grow with the tokens (the parameters do not). Measured
+    as the difference between forwards of one sequence of `length` and of `length` // 2 tokens
+    (half prompt, half response), with no backward. Every rank calls it: FSDP2 gathers weights."""
+
+    def held(n):
+        view = window(make_batch([[0] * (n // 2)], [[0] * (n - n // 2)], pad_id=0), [0])
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            response_logprobs(model, view, device, 1.0)
+        return sum(storages.values())
+
+    return (held(length) - held(length // 2)) / (length - length // 2) / 2**30
+
+
 # ----------------------------------------------------------------------------------------------
 # Model setup
 

@@ -84,6 +84,20 @@ def memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def free_memory_gib(device, ranks_here):
+    """Memory this process can still take (GiB): the GPU's free memory on CUDA; on CPU the machine's
+    available memory (Linux's MemAvailable) split evenly between the `ranks_here` on this machine.
+    None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**30
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib / 2**20 / ranks_here
+
+
 def sample_records(tokenizer, rows, texts, scores):
     """Readable samples, {prompt, response, ground_truth, score}, for samples/*.jsonl and the tables."""
     return [

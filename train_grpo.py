@@ -54,6 +54,7 @@ from distributed import all_gather, all_sum, all_sum_tensor, full_tensor, init_d
 from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, kl_penalty, policy_loss
 from policy import (
+    activation_gib_per_token,
     compute_logprobs,
     load_policy,
     make_batch,
@@ -69,6 +70,7 @@ from rollout import Rollout, check_model_path, make_engine, sampling_seeds, stop
 from run_log import (
     RunLog,
     engine_gap_metrics,
+    free_memory_gib,
     is_best,
     loss_metrics,
     memory_gb,
@@ -140,6 +142,36 @@ def load_data(args, tokenizer):
         batch = f"prompt_batch_size={args.prompt_batch_size}"
         raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than {batch}")
     return train_rows, val_rows
+
+
+def check_update_memory(args, policy, trained, world, ranks_here, device):
+    """Before the first rollout: does the update's largest micro-batch fit? Its activations (measured
+    per token on this model, policy.activation_gib_per_token) plus the gradients and AdamW's two
+    states, against the memory this rank has free now. Printed as a warning when it does not, with
+    flags that fit: otherwise the run would die in its first update, after a whole rollout."""
+    free = free_memory_gib(device, ranks_here)
+    if free is None:
+        return
+    length = args.max_prompt_length + args.max_response_length
+    per_token = activation_gib_per_token(policy, device, min(length, 1024))
+    tokens = max(args.micro_batch_tokens, length) if args.micro_batch_tokens else args.micro_batch_size * length
+    states = 3 * sum(p.numel() * p.element_size() for p in trained) / world / 2**30  # grads + 2 AdamW moments
+    need = per_token * tokens + states
+    if need <= free:
+        return
+    fits = int((free - states) * 0.8 / per_token) // 1024 * 1024  # tokens, with a fifth to spare
+    fix = (
+        f"--micro-batch-tokens {fits}"
+        if fits >= length
+        else "--grad-checkpointing (it keeps one layer's activations at a time)"
+    )
+    print0(
+        f"memory: the update's largest micro-batch ({tokens} tokens: {args.micro_batch_size} x {length}"
+        f"{f', or --micro-batch-tokens {args.micro_batch_tokens}' if args.micro_batch_tokens else ''}) needs about "
+        f"{need:.1f} GiB ({per_token * 2**20:.0f} KiB of activations per token, {states:.1f} GiB of gradients and "
+        f"optimizer states), and this rank has {free:.1f} GiB free: the first update would likely run out of "
+        f"memory. Smaller micro-batches give the same gradient: {fix}."
+    )
 
 
 def start_engine(args, world, device):
@@ -375,6 +407,7 @@ def main():
 
         disable_progress_bar()
     rank, world, device = init_distributed()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -415,6 +448,7 @@ def main():
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    check_update_memory(args, policy, trained, world, ranks_here, device)
     optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps

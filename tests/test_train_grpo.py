@@ -404,3 +404,31 @@ def test_large_cpu_tensors_get_huge_pages():
     control = faults({"THP_MEM_ALLOC_ENABLE": "0"})
     assert control > 5 * 151936 * 128 * 4 // 4096 * 0.9  # 4 KiB pages: one fault each
     assert with_huge_pages < control / 20, (with_huge_pages, control)
+
+
+def test_a_micro_batch_that_cannot_fit_is_reported_before_the_first_rollout(tmp_path, capsys):
+    """check_update_memory: the largest micro-batch's activations against the free memory, printed
+    with a --micro-batch-tokens that fits; nothing when it fits."""
+    from transformers import AutoModelForCausalLM
+
+    import data_prep
+    import train_grpo
+    from config import parse_args
+    from models import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
+    trained = list(model.parameters())
+    free = train_grpo.free_memory_gib(torch.device("cpu"), 1)
+    if free is None:
+        pytest.skip("no /proc/meminfo: the free memory cannot be read")
+    args = parse_args(["--micro-batch-size", "16", "--max-prompt-length", "32", "--max-response-length", "32"])
+    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    assert capsys.readouterr().out == ""  # 16 x 64 tokens of a tiny model
+    # per token about 100 KiB here: a micro-batch of 4M x 64 tokens needs far more than any machine has
+    args = parse_args(["--micro-batch-size", "4000000", "--max-prompt-length", "32", "--max-response-length", "32"])
+    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert out.startswith("memory: the update's largest micro-batch (256000000 tokens: 4000000 x 64)"), out
+    fits = int(out.split("--micro-batch-tokens ")[1].rstrip(".\n"))
+    per_token = float(out.split(" KiB of activations per token")[0].rsplit("(", 1)[1]) / 2**20
+    assert 64 <= fits and fits * per_token <= free
