@@ -152,25 +152,30 @@ def check_update_memory(args, policy, trained, world, ranks_here, device):
     free = free_memory_gib(device, ranks_here)
     if free is None:
         return
-    length = args.max_prompt_length + args.max_response_length
-    per_token = activation_gib_per_token(policy, device, min(length, 1024))
-    tokens = max(args.micro_batch_tokens, length) if args.micro_batch_tokens else args.micro_batch_size * length
-    states = 3 * sum(p.numel() * p.element_size() for p in trained) / world / 2**30  # grads + 2 AdamW moments
+    p, r = args.max_prompt_length, args.max_response_length
+    n = args.group_size if args.share_prompts else 1
+    unit = p + n * r  # the smallest micro-batch (policy.micro_batches): a group with its prompt, or one sequence
+    if args.micro_batch_tokens:
+        tokens = max(args.micro_batch_tokens, unit)
+    else:
+        tokens = max(1, args.micro_batch_size // n) * unit
+    per_token = activation_gib_per_token(policy, device, min(p + r, 1024))
+    states = 3 * sum(x.numel() * x.element_size() for x in trained) / world / 2**30  # grads + 2 AdamW moments
     need = per_token * tokens + states
-    if need <= free:
+    if need <= free or per_token <= 0:
         return
     fits = int((free - states) * 0.8 / per_token) // 1024 * 1024  # tokens, with a fifth to spare
-    fix = (
-        f"--micro-batch-tokens {fits}"
-        if fits >= length
-        else "--grad-checkpointing (it keeps one layer's activations at a time)"
-    )
+    if fits >= unit:
+        fix = f"--micro-batch-tokens {fits}"
+    elif fits >= p + r:  # shared prompts: a micro-batch holds a whole group
+        fix = f"--micro-batch-tokens {fits} --no-share-prompts (with shared prompts a group is {unit} tokens)"
+    else:
+        fix = "--grad-checkpointing (it keeps one layer's activations at a time)"
     print0(
-        f"memory: the update's largest micro-batch ({tokens} tokens: {args.micro_batch_size} x {length}"
-        f"{f', or --micro-batch-tokens {args.micro_batch_tokens}' if args.micro_batch_tokens else ''}) needs about "
-        f"{need:.1f} GiB ({per_token * 2**20:.0f} KiB of activations per token, {states:.1f} GiB of gradients and "
-        f"optimizer states), and this rank has {free:.1f} GiB free: the first update would likely run out of "
-        f"memory. Smaller micro-batches give the same gradient: {fix}."
+        f"memory: the update's largest micro-batch ({tokens} tokens) needs about {need:.1f} GiB "
+        f"({per_token * 2**20:.0f} KiB of activations per token, {states:.1f} GiB of gradients and optimizer "
+        f"states), and this rank has {free:.1f} GiB free: the first update would likely run out of memory. "
+        f"Smaller micro-batches give the same gradient: {fix}."
     )
 
 

@@ -426,9 +426,14 @@ def test_a_micro_batch_that_cannot_fit_is_reported_before_the_first_rollout(tmp_
     assert capsys.readouterr().out == ""  # 16 x 64 tokens of a tiny model
     # per token about 100 KiB here: a micro-batch of 4M x 64 tokens needs far more than any machine has
     args = parse_args(["--micro-batch-size", "4000000", "--max-prompt-length", "32", "--max-response-length", "32"])
+    args.share_prompts = False  # 4M sequences of 64 tokens
     train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
     out = capsys.readouterr().out
-    assert out.startswith("memory: the update's largest micro-batch (256000000 tokens: 4000000 x 64)"), out
+    assert out.startswith("memory: the update's largest micro-batch (256000000 tokens)"), out
     fits = int(out.split("--micro-batch-tokens ")[1].rstrip(".\n"))
+    # with shared prompts a micro-batch holds a whole group: 8 answers of 1M tokens cannot fit
+    args = parse_args(["--max-prompt-length", "32", "--max-response-length", "1000000", "--group-size", "8"])
+    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    assert "--grad-checkpointing" in capsys.readouterr().out
     per_token = float(out.split(" KiB of activations per token")[0].rsplit("(", 1)[1]) / 2**20
     assert 64 <= fits and fits * per_token <= free
