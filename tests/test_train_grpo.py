@@ -435,5 +435,7 @@ def test_a_micro_batch_that_cannot_fit_is_reported_before_the_first_rollout(tmp_
     args = parse_args(["--max-prompt-length", "32", "--max-response-length", "1000000", "--group-size", "8"])
     train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
     assert "--grad-checkpointing" in capsys.readouterr().out
+    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"), kv_cache_gib=1.5)
+    assert "The rollout engine's KV cache takes 1.5 GiB of this rank's memory" in capsys.readouterr().out
     per_token = float(out.split(" KiB of activations per token")[0].rsplit("(", 1)[1]) / 2**20
     assert 64 <= fits and fits * per_token <= free
