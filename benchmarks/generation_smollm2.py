@@ -9,11 +9,13 @@ transformers engine on the same work (BENCHMARKS.md, issue 14 item 2).
 GSM8K training prompts x 8 samples, temperature 1, up to 256 new tokens, fp32, each variant in a
 fresh subprocess, one after the other. The variants:
 
-  vllm            our engine as train_grpo.py builds it on CPU (eager, 1 GiB KV cache, the sampled
-                  token's log-prob returned), 8 prompts, 2 threads
+  vllm            our engine as train_grpo.py builds it on CPU (eager, the KV cache sized for the
+                  rollout and the free memory, the sampled token's log-prob returned), 8 prompts,
+                  2 threads
   no-logprobs     the same without log-probs (train_grpo.py --no-engine-logprobs)
   one-thread      the same on 1 thread: what each rank gets under torchrun with 2 ranks on 2 cores
-  big-batch       32 prompts (256 sequences), the 1 GiB KV cache
+  big-batch       32 prompts (256 sequences), the KV cache sized as train_grpo.py does
+  big-batch-kv1   32 prompts, a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1: our fixed size before)
   big-batch-kv4   32 prompts, a 4 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=4)
   compiled        vLLM with torch.compile (enforce_eager=False), our other settings, 8 prompts
   hf              our transformers engine, 8 prompts
@@ -36,11 +38,12 @@ VARIANTS = {
     "no-logprobs": ("vllm", 8, False, {}),
     "one-thread": ("vllm", 8, True, {"OMP_NUM_THREADS": "1"}),
     "big-batch": ("vllm", 32, True, {}),
+    "big-batch-kv1": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "1"}),
     "big-batch-kv4": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "4"}),
     "compiled": ("vllm-compiled", 8, True, {}),
     "hf": ("hf", 8, True, {}),
 }
-DEFAULT = "vllm,no-logprobs,one-thread,big-batch,big-batch-kv4"
+DEFAULT = "vllm,no-logprobs,one-thread,big-batch-kv1,big-batch,big-batch-kv4"
 
 # runs in a subprocess: argv = engine, prompts, logprobs (0/1), rounds
 ONE_ENGINE = r"""
@@ -50,6 +53,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 from rollout import make_engine
+from run_log import free_memory_gib
 kind, n_prompts, logprobs, rounds = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 tok = AutoTokenizer.from_pretrained("models/smollm2")
 rows = pq.read_table("data/gsm8k/train.parquet").to_pylist()[:n_prompts]
@@ -67,7 +71,8 @@ if kind == "vllm-compiled":  # our engine's settings with CPU eager mode off: to
         sp = SamplingParams(n=8, temperature=1.0, max_tokens=256, logprobs=0 if logprobs else None, seed=seed)
         return [list(c.token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False) for c in o.outputs]
 else:
-    engine = make_engine(kind, "models/smollm2", max_model_len=1024, seed=0, device=torch.device("cpu"))
+    engine = make_engine(kind, "models/smollm2", max_model_len=1024, seed=0, device=torch.device("cpu"),
+                         sequences=n_prompts * 8, memory_gib=free_memory_gib(torch.device("cpu"), 1))  # as train_grpo
     llm = getattr(engine, "llm", None)
     def generate(seed):
         seeds = list(range(seed * n_prompts, (seed + 1) * n_prompts))
@@ -110,7 +115,7 @@ def main():
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         result = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
         rates = ", ".join(f"{n / s:.0f} ({n} tokens in {s:.1f} s)" for n, s in result["rounds"])
-        kv = f"{result['kv_tokens']} tokens" if result["kv_tokens"] else "-"
+        kv = f"{result['kv_tokens']:,} tokens" if result["kv_tokens"] else "-"
         print(
             f"{name:>14}: {n_prompts} x 8 sequences, {result['threads']} thread(s), start-up {result['startup']:.1f} s, "
             f"KV cache {kv}; tokens/s per round: {rates}",
