@@ -20,8 +20,11 @@ def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-6):
     std is the unbiased (n - 1) estimate, as in verl.
 
     Edge cases, on purpose:
-    - A group whose rewards are all equal gets A = 0 for every sample: nothing to learn from it,
-      so it contributes no policy gradient (the trainer logs their share as frac_reward_zero_std).
+    - A group whose rewards are all equal gets exactly A = 0 for every sample, whatever the value:
+      nothing to learn from it, so it contributes no policy gradient (the trainer logs their share as
+      frac_reward_zero_std). verl computes (r - mean) / (std + eps) as is: for a reward such as 0.9 or
+      1/3 the float32 mean differs from r by a rounding error, std is of the same size, and dividing
+      one by the other gives |A| up to about 1 for a group with nothing to learn (group_deviations).
     - A group of size 1 has no siblings to compare with. Like verl, we then use mean 0 and std 1,
       so A = r / (1 + eps) (plain REINFORCE without a baseline) rather than NaN.
 
@@ -33,15 +36,21 @@ def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-6):
             f"scores must be 1-D with a multiple of group_size={group_size} entries, got shape {tuple(scores.shape)}"
         )
     groups = scores.view(-1, group_size)  # [B, n]
-    if group_size == 1:
-        mean, std = torch.zeros_like(groups), torch.ones_like(groups)
-    else:
-        mean = groups.mean(dim=1, keepdim=True)  # [B, 1]
-        std = groups.std(dim=1, keepdim=True, unbiased=True)  # [B, 1]
-    adv = groups - mean
+    std = torch.ones_like(groups[:, :1]) if group_size == 1 else groups.std(dim=1, keepdim=True, unbiased=True)
+    adv = group_deviations(groups)  # [B, n]
     if norm_by_std:
         adv = adv / (std + eps)
     return adv.reshape(-1)
+
+
+def group_deviations(groups):
+    """r_i - mean(r) within each group, [B, n] -> [B, n]: exactly 0 for a group whose rewards are all
+    equal (its float mean can be a rounding error away from them), and r_i itself for groups of one
+    (mean 0, as verl uses: no siblings, no baseline)."""
+    if groups.shape[1] == 1:
+        return groups.clone()
+    equal = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # [B, 1]
+    return torch.where(equal, torch.zeros_like(groups), groups - groups.mean(dim=1, keepdim=True))
 
 
 def zero_std_fraction(scores, group_size):
@@ -94,7 +103,8 @@ def rloo_advantages(scores, group_size):
 
         A_i = r_i - mean_{j != i} r_j  =  r_i * n / (n - 1) - mean(r) * n / (n - 1)
 
-    computed in the second form, verl's (compute_rloo_outcome_advantage). No std scaling.
+    computed in the second form, verl's (compute_rloo_outcome_advantage), except that a group whose
+    rewards are all equal gets exactly 0 (group_deviations), not a rounding error. No std scaling.
     A group of size 1 has no others to leave out: verl's loop then keeps A = r (no baseline),
     and so do we. (verl's rloo_vectorized gives 0 there instead; we follow the default "rloo".)
     """
@@ -103,7 +113,8 @@ def rloo_advantages(scores, group_size):
     if n == 1:
         return groups.reshape(-1).clone()
     mean = groups.mean(dim=1, keepdim=True)  # [B, 1]
-    return (groups * n / (n - 1) - mean * n / (n - 1)).reshape(-1)
+    adv = groups * n / (n - 1) - mean * n / (n - 1)
+    return torch.where(group_deviations(groups) == 0, torch.zeros_like(adv), adv).reshape(-1)
 
 
 def masked_whiten(values, mask, total=None):
@@ -130,7 +141,8 @@ def masked_whiten(values, mask, total=None):
 def reinforce_pp_baseline_advantages(scores, group_size, response_mask, total=None):
     """REINFORCE++ with a group baseline (Hu et al. 2025), per token: [B*n], [B*n, T] -> [B*n, T] fp32.
 
-        A_i    = r_i - mean(group of i)                (a group of size 1 uses mean 0, like verl)
+        A_i    = r_i - mean(group of i)                (a group of size 1 uses mean 0, like verl;
+                                                        exactly 0 for an all-equal group)
         A_it   = A_i * m_it                            broadcast over the response tokens
         A_it  <- masked_whiten(A_it, m) * m_it         mean and unbiased std over every unmasked
                                                        token of the batch, eps 1e-8 inside the sqrt
@@ -147,6 +159,5 @@ def reinforce_pp_baseline_advantages(scores, group_size, response_mask, total=No
     mask = torch.as_tensor(response_mask).to(torch.float32)  # [B*n, T]
     if mask.dim() != 2 or mask.shape[0] != groups.numel():
         raise ValueError(f"response_mask must be [{groups.numel()}, T] (one row per score), got {tuple(mask.shape)}")
-    mean = torch.zeros_like(groups) if group_size == 1 else groups.mean(dim=1, keepdim=True)  # [B, 1]
-    adv = (groups - mean).reshape(-1, 1) * mask  # [B*n, T]
+    adv = group_deviations(groups).reshape(-1, 1) * mask  # [B*n, T]; all-equal groups exactly 0
     return masked_whiten(adv, mask, total) * mask

@@ -40,8 +40,10 @@ class Args:
     """Comma-separated weights, one per --reward-fn (TRL's reward_weights); empty: all 1. Each function's
     score is logged as reward_extra/<file>.<function>/mean."""
     reward_errors: str = "raise"
-    """A reward function that raises or returns no number: raise stops the run naming the sample; skip
-    scores that sample 0, warns, and counts it in reward/errors."""
+    """A reward function that raises, exits, times out or returns no number: raise stops the run naming the
+    step and sample; skip scores that sample 0, warns, and counts it in reward/errors (validation too)."""
+    reward_timeout: float = 300.0
+    """Seconds one --reward-fn call may take before it counts as a reward error (its worker process is killed)."""
     reward_model: str = ""
     """A learned reward model (reward_model.py): a Hugging Face sequence classifier with one output,
     which scores (prompt, response) with its own chat template; empty: none."""
@@ -114,7 +116,10 @@ class Args:
     clip_c: float = 3.0
     """Dual-clip bound for negative advantages, > 1."""
     loss_agg: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (loss.agg_loss)."""
+    loss_scale_factor: float = 0.0
+    """seq-mean-token-sum-norm (Dr. GRPO) divides the mean of the sequences' token sums by this constant
+    (verl's loss_scale_factor); 0: --max-response-length."""
     kl_coef: float = 0.001
     """Weight of the KL loss to the frozen reference; 0 skips the reference model."""
     kl_kind: str = "k3"
@@ -197,6 +202,9 @@ class Args:
     """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (health.Bands)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
+    collective_timeout: float = 600.0
+    """Seconds a rank waits for the others in a collective before the run stops with a message (a dead or
+    stuck peer); raise it if ranks legitimately wait longer, e.g. for rank 0 writing a large model."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
     allow_changed: str = ""
@@ -269,6 +277,7 @@ def check_args(args, world=1):
         *reward_rules(a),
         (not a.reward_model or os.path.isdir(a.reward_model), f"--reward-model {a.reward_model}: no such directory"),
         (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
+        (a.reward_timeout > 0, f"--reward-timeout must be > 0 seconds, got {a.reward_timeout}"),
         (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
         # ---- schedule
         (a.epochs >= 1, f"--epochs must be >= 1, got {a.epochs}"),
@@ -317,6 +326,10 @@ def check_args(args, world=1):
         (a.kl_coef >= 0, f"--kl-coef must be >= 0 (0: no KL loss), got {a.kl_coef}"),
         (a.entropy_coef >= 0, f"--entropy-coef must be >= 0 (0: no bonus), got {a.entropy_coef}"),
         (
+            a.loss_scale_factor >= 0,
+            f"--loss-scale-factor must be > 0, or 0 for --max-response-length, got {a.loss_scale_factor}",
+        ),
+        (
             a.tis_cap == 0 or a.tis_cap >= 1,
             f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}",
         ),
@@ -325,6 +338,13 @@ def check_args(args, world=1):
         (a.lora_alpha > 0, f"--lora-alpha must be > 0, got {a.lora_alpha}"),
         (0 <= a.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {a.lora_dropout}"),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
+        *[
+            (
+                a.lora_rank > 0 or getattr(a, name) == getattr(Args, name),
+                f"--{name.replace('_', '-')} {getattr(a, name)} is a LoRA setting and LoRA is off: add --lora-rank R (R > 0)",
+            )
+            for name in ("lora_alpha", "lora_target_modules", "lora_dropout")
+        ],
         # ---- the GRPO family
         (a.max_gen_batches >= 1, f"--max-gen-batches must be >= 1, got {a.max_gen_batches}"),
         (
@@ -374,6 +394,7 @@ def check_args(args, world=1):
             a.save_freq == -1 or a.save_freq >= 1,
             f"--save-freq must be >= 1, or -1 for no checkpoints, got {a.save_freq}",
         ),
+        (a.collective_timeout > 0, f"--collective-timeout must be > 0 seconds, got {a.collective_timeout}"),
         (
             a.max_ckpt_to_keep == -1 or a.max_ckpt_to_keep >= 1,
             f"--max-ckpt-to-keep must be >= 1, or -1 for all, got {a.max_ckpt_to_keep}",

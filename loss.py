@@ -286,16 +286,18 @@ def masked_mean(x, mask):
 
 
 def agg_loss(loss_mat, mask, mode="token-mean", norm_len=None):
-    """Reduce a per-token loss [B, T] to a scalar, as verl does on one rank.
+    """Reduce a per-token loss [B, T] to a scalar, as verl 0.9 does on one rank.
 
       token-mean:               sum_{i,t} l_it m_it / sum_{i,t} m_it        (DAPO; verl's default)
       seq-mean-token-sum:       mean_i  sum_t l_it m_it
       seq-mean-token-mean:      mean_i (sum_t l_it m_it / sum_t m_it)      (the original GRPO paper)
-      seq-mean-token-sum-norm:  sum_i sum_t l_it m_it / norm_len            (Dr. GRPO)
+      seq-mean-token-sum-norm:  mean_i  sum_t l_it m_it / norm_len          (Dr. GRPO)
 
-    The seq-mean modes average over sequences with at least one unmasked token. Dr. GRPO divides by
-    a constant, `norm_len`, which defaults to T (the padded response length); pass the configured
-    max response length to keep it fixed across batches.
+    mean_i is over the sequences with at least one unmasked token. Dr. GRPO divides each sequence's
+    token sum by one constant instead of by its own length, so that a long response's tokens weigh as
+    much as a short one's: `norm_len` is verl's loss_scale_factor, and defaults to T (the padded
+    width of this batch). The trainer always passes a constant (--loss-scale-factor, by default
+    --max-response-length), never the width of a micro-batch's window, which changes from batch to batch.
     """
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
@@ -307,23 +309,20 @@ def agg_loss(loss_mat, mask, mode="token-mean", norm_len=None):
     if mode == "seq-mean-token-mean":
         return masked_mean(seq_sum / mask.sum(-1).clamp(min=1), seq_valid)
     if mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / (loss_mat.shape[-1] if norm_len is None else norm_len)
+        return masked_mean(seq_sum, seq_valid) / (loss_mat.shape[-1] if norm_len is None else norm_len)
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {list(AGG_MODES)}")
 
 
 def agg_denominator(mask, mode):
-    """What agg_loss divides this batch by: its unmasked tokens (token-mean) or its sequences with
-    at least one unmasked token (seq-mean-*); None for seq-mean-token-sum-norm, whose divisor is a
-    constant.
+    """What agg_loss averages this batch over: its unmasked tokens (token-mean) or its sequences
+    with at least one unmasked token (every seq-mean-* mode; Dr. GRPO's constant comes on top).
 
     A batch split into micro-batches (and over ranks) gives exactly agg_loss of the whole batch
-    when each piece's loss is weighted by  piece's denominator / whole batch's denominator
-    (weight 1 for the constant-divisor mode), and the weighted losses are summed.
+    when each piece's loss is weighted by  piece's denominator / whole batch's denominator, and the
+    weighted losses are summed.
     """
     if mode == "token-mean":
         return mask.sum().item()
-    if mode == "seq-mean-token-sum-norm":
-        return None
     return (mask.sum(-1) > 0).sum().item()
 
 

@@ -354,7 +354,8 @@ def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_
     is_weights = None
     if args.tis_cap > 0:  # truncated importance sampling: the engine sampled, the trainer scores
         is_weights = torch.exp(old - engine_logp[rows, :r].to(device)).clamp(max=args.tis_cap) * m
-    adv, norm_len = adv_tokens[rows, :r].to(device), args.max_response_length  # [b, r]
+    adv = adv_tokens[rows, :r].to(device)  # [b, r]
+    norm_len = args.loss_scale_factor or args.max_response_length  # Dr. GRPO's constant, never the window's width
     pg_loss, pg_metrics = policy_loss(
         logp, old, adv, m, args.clip_low, args.clip_high, args.clip_c, agg, is_weights, norm_len, mode=args.loss_mode
     )
@@ -383,8 +384,7 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
             rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
             # each micro-batch's loss is weighted so the summed gradient is agg_loss over the whole
             # global mini-batch; FSDP averages gradients over ranks, hence the * world
-            whole = agg_denominator(mask[rows], agg)
-            whole = None if whole is None else all_sum(whole, device)
+            whole = all_sum(agg_denominator(mask[rows], agg), device)
             optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
                 view = window(batch, mb)  # only the columns these rows use
@@ -394,7 +394,7 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
                     trainer_logp[mb, : old.shape[1]] = old.float().cpu()
                 piece = agg_denominator(view["response_mask"], agg)
-                (loss * (world if whole is None else piece / max(whole, 1) * world)).backward()
+                (loss * (piece / max(whole, 1) * world)).backward()
                 checkpoint.crash_point("update", step)
                 stats.append(terms)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)

@@ -179,3 +179,20 @@ def test_reinforce_pp_whitens_a_share_with_the_whole_batchs_statistics():
         )
         got.append(share)
     torch.testing.assert_close(torch.cat(got), whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [0.9, 6.56, 1 / 3, 0.1 + 0.2, 0.7 * 0.5 + 0.3 * 1.2, -2.7, 1e6 + 0.1])
+@pytest.mark.parametrize("estimator", ADV_ESTIMATORS)
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_all_equal_groups_get_exactly_zero_whatever_the_value(value, estimator, norm_by_std):
+    # float32 rounding makes the mean of eight 6.56s differ from 6.56; divided by std + 1e-6 (std being
+    # of the same size) that gave |A| up to 0.3 for a group with nothing to learn
+    scores = [value] * 8 + [0.0, 1.0] * 4  # an all-equal group beside an informative one
+    mask = torch.ones(16, 5)
+    adv = compute_advantages(scores, 8, estimator, norm_by_std, mask)
+    assert torch.count_nonzero(adv[:8]) == 0
+    assert torch.count_nonzero(adv[8:]) > 0
+    only_equal = compute_advantages(
+        [value] * 16, 8, estimator, norm_by_std, mask
+    )  # a whole batch with nothing to learn
+    assert torch.count_nonzero(only_equal) == 0

@@ -258,7 +258,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last sequence has 
         ("token-mean", (1 + 2 + 4) / 3),
         ("seq-mean-token-sum", (3 + 4) / 2),  # the empty sequence is not counted
         ("seq-mean-token-mean", (3 / 2 + 4 / 1) / 2),
-        ("seq-mean-token-sum-norm", (3 + 4) / 3),  # divided by T = 3
+        ("seq-mean-token-sum-norm", (3 + 4) / 2 / 3),  # the seq-mean of token sums, divided by T = 3
     ],
 )
 def test_agg_loss_hand_values(mode, expected):
@@ -266,9 +266,19 @@ def test_agg_loss_hand_values(mode, expected):
 
 
 def test_agg_loss_dr_grpo_constant_and_unknown_mode():
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(0.7)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(0.35)
     with pytest.raises(ValueError, match="token-mean"):
         agg_loss(LOSS, MASK, "sum")
+
+
+def test_dr_grpo_is_a_mean_over_sequences_divided_by_a_constant():
+    # verl 0.9.1 gives 1 here: (2 + 2) / 2 sequences / 2 columns. Summing over sequences instead, as
+    # older verl did, gives 2, and the loss, its gradient and the clipping scale with the batch size.
+    loss, mask = torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == 1.0
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=4).item() == 0.5
+    # a batch twice as large of the same sequences has the same loss
+    assert agg_loss(loss.repeat(2, 1), mask.repeat(2, 1), "seq-mean-token-sum-norm").item() == 1.0
 
 
 def test_agg_modes_agree_when_all_sequences_have_equal_length():
@@ -277,7 +287,7 @@ def test_agg_modes_agree_when_all_sequences_have_equal_length():
     token_mean = agg_loss(loss, mask, "token-mean")
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-mean"), token_mean)
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum"), token_mean * 6)
-    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), token_mean * 4)
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), token_mean)  # norm_len = T
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -291,7 +301,7 @@ def test_pieces_weighted_by_agg_denominator_sum_to_the_whole(mode):
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
         piece = agg_denominator(mask[rows], mode)
-        weight = 1.0 if whole_denominator is None else piece / whole_denominator
+        weight = piece / whole_denominator
         total += agg_loss(loss[rows], mask[rows], mode, norm_len=5) * weight
     torch.testing.assert_close(total, agg_loss(loss, mask, mode, norm_len=5))
 
