@@ -107,6 +107,12 @@ class Monitor:
         recent = self.train[-20:]
         self.train.append(row)
         gn, kl, ent = row["actor/grad_norm"], row["actor/kl_loss"], row["actor/entropy"]
+        broken = [k for k in non_finite(row) if k != "actor/grad_norm"]  # a non-finite grad_norm has its own line
+        if broken:
+            yield (
+                "non_finite",
+                f"{', '.join(broken[:4])}{' ...' if len(broken) > 4 else ''} not finite: the run has diverged",
+            )
         if not math.isfinite(gn):
             yield "grad_norm", f"actor/grad_norm is {gn}: the update was skipped"
         elif gn > b.grad_norm_max:
@@ -115,7 +121,7 @@ class Monitor:
                 f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (it is clipped, but steps this large destabilise training; lower --lr)",
             )
         past = [r["actor/grad_norm"] for r in recent if math.isfinite(r["actor/grad_norm"])]
-        if len(past) >= 5 and gn > b.grad_norm_jump * np.median(past):
+        if len(past) >= 5 and np.median(past) > 0 and gn > b.grad_norm_jump * np.median(past):
             yield (
                 "grad_norm_jump",
                 f"actor/grad_norm {gn:.3g} jumped {gn / np.median(past):.0f}x its recent median {np.median(past):.3g} (band: < {b.grad_norm_jump}x)",
@@ -177,6 +183,11 @@ class Monitor:
         return out
 
 
+def non_finite(row):
+    """The metrics of a logged row that are NaN or infinite (metrics.jsonl stores them as null)."""
+    return [k for k, v in row.items() if v is None or (isinstance(v, float) and not math.isfinite(v))]
+
+
 def train_reward_near(train_rows, step, window=10):
     """Mean training reward (critic/score/mean) over the last `window` steps up to `step`."""
     scores = [r["critic/score/mean"] for r in train_rows if step - window < r["step"] <= step]
@@ -195,8 +206,8 @@ def read_run(run_dir):
     lines = [line for line in open(path) if line.strip()]
     rows = []
     for i, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
+        try:  # null is a metric that was NaN or infinite (run_log.json_line)
+            rows.append({k: math.nan if v is None else v for k, v in json.loads(line).items()})
         except json.JSONDecodeError as e:
             if i < len(lines):
                 raise ValueError(f"{path}: line {i} is not JSON ({e})") from None
@@ -298,7 +309,10 @@ def judge(rows, config, bands):
     # solved: the last quarter's train reward is near the best score any sample got
     tail_score, top = scores[-max(len(scores) // 4, 1) :].mean(), col("critic/score/max").max()
     solved = top > 0 and tail_score >= 0.9 * top
-    if ent[-1] < b.entropy_min:
+    if not np.isfinite(ent).all():
+        verdict = "problem"
+        value += f"; not finite at {int((~np.isfinite(ent)).sum())} steps"
+    elif ent[-1] < b.entropy_min:
         verdict = "watch" if solved else "problem"
         value += f"; collapsed {'after' if solved else 'before'} the task was learned (late train reward {tail_score:.3g}, best sample score {top:.3g})"
     elif len(late) and late.mean() > b.entropy_max_late:
@@ -353,7 +367,16 @@ def judge(rows, config, bands):
     drops = 1 - ent[1:] / ent[:-1]
     judged = ent[:-1] > b.entropy_min  # below it, entropy is small and its ratios noisy
     worst = int(np.argmax(np.where(judged, drops, -np.inf))) if judged.any() else None
-    if worst is not None:
+    if not np.isfinite(ent).all():
+        first = int(np.argmin(np.isfinite(ent)))
+        add(
+            "stability",
+            "update size (largest one-step entropy drop)",
+            f"entropy not finite from step {steps[first]} ({ent[first - 1] if first else math.nan:.3g} -> {ent[first]})",
+            "problem",
+            f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)",
+        )
+    elif worst is not None:
         add(
             "stability",
             "update size (largest one-step entropy drop)",
@@ -380,6 +403,11 @@ def judge(rows, config, bands):
     )
     skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
     add("stability", "skipped (non-finite) updates", str(skipped), "healthy" if skipped == 0 else "problem", "0")
+    broken = [(r["step"], non_finite(r)) for r in rows if non_finite(r)]
+    value = f"{len(broken)} of {len(rows)} logged rows" + (
+        f"; first at step {broken[0][0]}: {', '.join(broken[0][1][:4])}" if broken else ""
+    )
+    add("stability", "non-finite metrics (NaN, inf)", value, "problem" if broken else "healthy", "none")
 
     # ---- efficiency
     t = col("timing_s/step")

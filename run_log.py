@@ -14,6 +14,7 @@ prompt's group of every training step (train.jsonl), and the first validation sa
 """
 
 import json
+import math
 import os
 import resource
 import time
@@ -174,7 +175,7 @@ class RunLog:
             with open(os.path.join(self.out_dir, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
             with open(os.path.join(self.out_dir, "metrics.jsonl"), "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in self.history)
+                f.writelines(json_line(row) for row in self.history)
             train_samples = os.path.join(self.out_dir, "samples", "train.jsonl")
             if os.path.exists(train_samples):
                 kept = [line for line in open(train_samples) if json.loads(line)["step"] <= start_step]
@@ -206,7 +207,7 @@ class RunLog:
         if self.rank != 0:
             return
         with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(self.history[-1]) + "\n")
+            f.write(json_line(self.history[-1]))
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if self.tensorboard is not None:
@@ -249,6 +250,14 @@ class RunLog:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def json_line(row):
+    """One line of metrics.jsonl: strict JSON, so any reader parses it. A metric that is NaN or
+    infinite (a diverged run) is written as null; health.read_run reads null back as NaN, and the
+    report counts it as a problem."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 @contextmanager

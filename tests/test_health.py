@@ -102,6 +102,36 @@ def test_grad_norm_jump_is_relative_to_the_recent_median():
     assert feed(monitor, rows) == ["step 21: actor/grad_norm 0.8 jumped 8x its recent median 0.1 (band: < 5.0x)"]
 
 
+def test_a_grad_norm_after_a_run_of_zeros_is_not_an_infinite_jump(recwarn):
+    monitor = health.Monitor(health.parse_bands(""), total_steps=100)
+    rows = [step_row(s, **{"actor/grad_norm": 0.0}) for s in range(1, 21)] + [step_row(21, **{"actor/grad_norm": 0.15})]
+    assert feed(monitor, rows) == []  # was "jumped infx its recent median 0", with a division-by-zero warning
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_non_finite_metrics_warn_live_and_make_the_report_a_problem(tmp_path):
+    from run_log import json_line
+
+    rows = [{"step": 0, VAL: 0.1}] + [step_row(s) for s in range(1, 8)]
+    rows += [step_row(s, **{"actor/entropy": math.nan, "actor/pg_loss": math.inf}) for s in range(8, 11)]
+    warnings = feed(health.Monitor(health.parse_bands(""), total_steps=10), rows)
+    assert any("actor/entropy, actor/pg_loss not finite" in w for w in warnings), warnings
+    run = tmp_path / "run"
+    write_run(run, rows, max_steps=10)
+    (run / "metrics.jsonl").write_text("".join(json_line(r) for r in rows))  # as the trainer writes them
+    assert all(json.loads(line, parse_constant=lambda c: pytest.fail(c)) for line in open(run / "metrics.jsonl"))
+    path, counts = health.write_report(str(run))
+    found = verdicts(open(path).read())
+    for check in (
+        "entropy (actor/entropy)",
+        "update size (largest one-step entropy drop)",
+        "non-finite metrics (NaN, inf)",
+        "policy loss (actor/pg_loss)",
+    ):
+        assert found[check] == "problem", (check, open(path).read())
+    assert counts["overall"] == "problem"
+
+
 def test_a_sudden_entropy_drop_blames_the_learning_rate():
     monitor = health.Monitor(health.Bands(), total_steps=100)
     rows = [
@@ -170,7 +200,7 @@ def test_report_of_a_healthy_run(tmp_path):
     write_run(tmp_path / "run", rows)
     path, counts = health.write_report(str(tmp_path / "run"))
     text = open(path).read()
-    assert counts == dict(problem=0, watch=0, healthy=13, overall="healthy"), text
+    assert counts == dict(problem=0, watch=0, healthy=14, overall="healthy"), text
     for section in (
         "## Task effect",
         "## Convergence",
