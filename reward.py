@@ -4,9 +4,9 @@ Every reward function has verl's signature,
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
-and returns either a float or a dict with a "score" key plus extra keys that the trainer logs as
-metrics (reward_extra/<key>/mean). A verl user's reward file works here unchanged:
-`--reward-fn my_reward.py:compute_score`.
+and returns either a real number (int, float, bool, a numpy or torch scalar) or a dict with a "score" key
+plus extra keys that the trainer logs as metrics (reward_extra/<key>/mean). A verl user's reward file
+works here unchanged: `--reward-fn my_reward.py:compute_score`.
 
 What a reward function sees in extra_info: the row's own extra_info (data_prep.py writes split and
 index; verl's files hold more), plus, when the caller passes the generated token ids to score_rows
@@ -18,9 +18,21 @@ one row, and rows are reused every epoch):
     truncated         bool       the response hit the length limit instead of stopping on its own
 
 Several reward functions combine into one with weighted_reward (TRL's reward_weights):
-score = sum_i w_i * s_i, each s_i kept as an extra key. A reward function that raises stops the
-run, unless score_responses(..., errors="skip") (--reward-errors skip) scores that sample 0 and
-counts it in the extra key "reward_error".
+score = sum_i w_i * s_i, each s_i kept as an extra key.
+
+What a --reward-fn function may do, and what happens. load_reward_fns runs the functions in a worker
+process of their own (reward_worker.py), one per rank, which lives as long as the run: state a file keeps
+at module level (a cache, a loaded model, a counter) persists from call to call. Each call may take up to
+--reward-timeout seconds. A call that raises, calls sys.exit(), ends the process (os._exit, a segfault),
+runs past the timeout (in Python or in C), or returns something that is not a finite real number (None,
+NaN, 10**400, the string "1.0", a dict without "score") is a reward error for that sample: by default
+(--reward-errors raise) the run stops, naming the function, the step, the sample, its data_source and what
+happened; with --reward-errors skip the sample scores 0 and is counted in the extra key "reward_error"
+(the trainer logs reward/errors, and val-aux/reward/errors for validation). After an exit, a crash or a
+time-out the worker is replaced, so module-level state starts again. Extra keys: numbers are logged as
+their mean; a value that is not a finite number (NaN, inf) is left out of that mean and reported on
+stderr; strings (maj@k's "pred") and other values are kept but not logged. The built-in rewards
+(compute_score) run in this process; MATH's math-verify has its own worker (math_score).
 """
 
 import atexit
@@ -28,14 +40,18 @@ import functools
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
 import select
 import subprocess
 import sys
 import threading
+import traceback
 import warnings
 from decimal import Decimal, InvalidOperation
+
+from reward_worker import RewardWorker
 
 # ----------------------------------------------------------------------------------------------
 # GSM8K
@@ -357,37 +373,119 @@ def load_reward_fn(spec):
 
 
 class RewardError(RuntimeError):
-    """A reward function raised or returned something that is not a score."""
+    """A reward function raised, exited, crashed, timed out, or returned something that is not a score."""
+
+
+def safe_repr(value, limit=80):
+    """repr(value), cut to `limit` characters; never raises (a reward may return anything)."""
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__, or an int past Python's 4300-digit limit
+        text = f"<a {type(value).__name__} that cannot be printed>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(e):
+    """What an exception from a reward function says, for an error message: "raised KeyError: 'x'
+    (my_reward.py:12, in f)" (the line it was raised at), or "called sys.exit(0)"."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({safe_repr(e.code)})"
+    if isinstance(e, RewardError):  # weighted_score's, which already names the function
+        return str(e)
+    try:
+        text = str(e)
+    except Exception:
+        text = "<a message that cannot be printed>"
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return f"raised {type(e).__name__}: {text[:500]}{at}"
+
+
+def real_number(value):
+    """`value` as a Python bool, int or float if it is a real number: a bool, int, float, Fraction or
+    Decimal, a numpy scalar, or a 0-d numpy array or torch tensor holding one. None for anything else:
+    a str ("1.0" is text, not a score), None, a complex number, a list."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # numpy scalars, 0-d arrays and tensors
+        value = value.item()
+    if isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, (bool, int, float)):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+    return value if isinstance(value, (bool, int, float)) else None
+
+
+def is_finite(number):
+    """Whether a bool, int or float is finite as a float (10**400 is not: float() cannot hold it)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def read_score(out):
-    """(score, extras) from what a reward function returned: a number, or a dict with "score" and
-    extra keys. Raises ValueError saying what was wrong with anything else (None, NaN, "high", a
-    dict without "score")."""
+    """(score, extras) from what a reward function returned: a real number (real_number), or a dict with
+    such a "score" and extra keys. Extras that are numbers come back as Python numbers, NaN included
+    (score_responses reports it). Raises ValueError saying what was wrong with anything else: None, NaN,
+    10**400, "1.0", a dict without "score"."""
     extras = {}
     if isinstance(out, dict):
         if "score" not in out:
-            raise ValueError(f"returned a dict without 'score' (keys {sorted(out)})")
-        extras = {k: v for k, v in out.items() if k != "score"}
+            raise ValueError(f"returned a dict without 'score' (its keys: {safe_repr(list(out))})")
+        for key, value in out.items():
+            if key != "score":
+                number = real_number(value)
+                extras[key] = value if number is None else number
         out = out["score"]
+    number = real_number(out)
+    if number is None:
+        raise ValueError(
+            f"returned {safe_repr(out)} (a {type(out).__name__}); expected a real number (int, float, bool, "
+            "a numpy or torch scalar), or a dict with a 'score'"
+        )
+    if not is_finite(number):
+        raise ValueError(f"returned {safe_repr(out)}; expected a finite number (a float holds up to about 1.8e308)")
+    return float(number), extras
+
+
+def score_one(reward_fn, data_source, solution_str, ground_truth, extra_info=None):
+    """(score, extras, None) for one sample, or (None, None, problem) where problem says what the reward
+    function did instead: "raised KeyError: ...", "called sys.exit(0)", "returned '1.0' (a str); ...".
+    Lets through only what is neither an Exception nor SystemExit (KeyboardInterrupt)."""
     try:
-        value = float(out)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value):
-        raise ValueError(f"returned {out!r}; expected a finite number, or a dict with a 'score'")
-    return value, extras
+        out = reward_fn(
+            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+        )
+    except (Exception, SystemExit) as e:
+        return None, None, describe(e)
+    try:
+        value, extras = read_score(out)
+    except ValueError as e:
+        return None, None, str(e)
+    except Exception as e:  # a dict whose keys cannot be listed, and the like
+        return None, None, f"returned {safe_repr(out)}, which cannot be read ({describe(e)})"
+    return value, extras, None
 
 
-def score_responses(reward_fn, data_sources, responses, ground_truths, extra_infos=None, indices=None, errors="raise"):
-    """Score every response with `reward_fn`, called with verl's keyword arguments.
+def sample_place(where, index):
+    """Where a sample is, for messages: "step 3, sample 17 of the batch", or "sample 17" with no `where`."""
+    return f"{where}, sample {index} of the batch" if where else f"sample {index}"
+
+
+def score_responses(
+    reward_fn, data_sources, responses, ground_truths, extra_infos=None, indices=None, errors="raise", where=""
+):
+    """Score every response with `reward_fn`, called with verl's keyword arguments: in its worker process
+    if it is a RewardWorker (load_reward_fns), else in this one.
 
     Returns (scores, extras): scores is a list of floats; extras maps each extra key of dict
-    returns to a list with one value per sample (None where a sample lacked it).
+    returns to a list with one value per sample (None where a sample lacked it, or where its value was a
+    number that is not finite: those are reported on stderr, one line per call).
 
-    errors="raise" (the default): a reward function that raises, or returns something that is not
-    a score, stops the run with the sample index, data source and the problem: a silently-zero
-    reward would quietly train the policy on a bug.
+    errors="raise" (the default): a reward function that raises, exits, crashes, times out or returns
+    something that is not a score stops the run (RewardError) naming the function, where (e.g. "step 3"),
+    the sample's index (`indices`), its data source and the problem: a silently-zero reward would
+    quietly train the policy on a bug.
     errors="skip" (--reward-errors skip): such a sample scores 0, extras["reward_error"] is 1.0 for
     it and 0.0 for the others (its mean is the error fraction, its sum the count), and one line
     per call, with the count and the first problem, goes to stderr.
@@ -395,46 +493,61 @@ def score_responses(reward_fn, data_sources, responses, ground_truths, extra_inf
     if errors not in ("raise", "skip"):
         raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
     extra_infos = extra_infos if extra_infos is not None else [None] * len(responses)
-    indices = indices if indices is not None else range(len(responses))
+    indices = list(indices) if indices is not None else list(range(len(responses)))
     name = getattr(reward_fn, "__name__", repr(reward_fn))
-    scores, extras, failed = [], {}, []
-    for i, (idx, ds, resp, gt, info) in enumerate(zip(indices, data_sources, responses, ground_truths, extra_infos)):
-        try:
-            out = reward_fn(data_source=ds, solution_str=resp, ground_truth=gt, extra_info=info)
-        except Exception as e:
-            problem, cause = f"raised on sample {idx} (data_source={ds!r}): {type(e).__name__}: {e}", e
-        else:
-            try:
-                value, sample_extras = read_score(out)
-                problem = None
-            except ValueError as e:
-                problem, cause = f"on sample {idx} (data_source={ds!r}) {e}", None
+    samples = list(zip(data_sources, responses, ground_truths, extra_infos))
+    if isinstance(reward_fn, RewardWorker):
+        results = reward_fn.score(samples, stop_on_error=errors == "raise")
+    else:
+        results = []
+        for sample in samples:
+            results.append(score_one(reward_fn, *sample))
+            if errors == "raise" and results[-1][2] is not None:
+                break
+    scores, extras, failed, not_finite = [], {}, [], []
+    for i, (value, sample_extras, problem) in enumerate(results):
+        said = f"reward function {name}, {sample_place(where, indices[i])} (data_source={safe_repr(samples[i][0])})"
         if problem is not None:
             if errors == "raise":
-                raise RewardError(f"reward function {name} {problem}") from cause
+                raise RewardError(
+                    f"{said}: {problem}. To score such samples 0 and count them, pass --reward-errors skip"
+                )
             value, sample_extras = 0.0, {}
-            failed.append((i, problem))
+            failed.append(f"{said}: {problem}")
         for key, v in sample_extras.items():
+            if isinstance(v, (int, float)) and not is_finite(v):
+                not_finite.append(f"{said}: {key!r} = {safe_repr(v)}")
+                v = None
+            elif v is not None and not isinstance(v, (int, float, str)):
+                warnings.warn(
+                    f"reward function {name} returns {type(v).__name__} values in extra key {key!r}: kept in "
+                    "extras, not logged (only numbers are: reward_extra/<key>/mean)",
+                    stacklevel=2,
+                )
             extras.setdefault(key, [None] * i).append(v)
         for column in extras.values():  # keep every extras column one entry per sample
             column.extend([None] * (i + 1 - len(column)))
         scores.append(value)
     if errors == "skip":
-        extras["reward_error"] = [0.0] * len(scores)
-        for i, _ in failed:
-            extras["reward_error"][i] = 1.0
+        extras["reward_error"] = [float(problem is not None) for _, _, problem in results]
         if failed:
             print(
-                f"reward errors: {len(failed)} of {len(scores)} samples scored 0 (--reward-errors skip); "
-                f"the first: reward function {name} {failed[0][1]}",
+                f"reward errors: {len(failed)} of {len(scores)} samples scored 0 (--reward-errors skip); the first: {failed[0]}",
                 file=sys.stderr,
             )
+    if not_finite:
+        print(
+            f"reward extras: {len(not_finite)} values are not finite numbers and are left out of reward_extra/<key>/mean; "
+            f"the first: {not_finite[0]}",
+            file=sys.stderr,
+        )
     return scores, extras
 
 
-def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=None, errors="raise"):
-    """score_responses for rows of verl's schema and one response text each; `first` numbers the
-    samples in error messages (their place in the whole batch, not in this rank's share).
+def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=None, errors="raise", where=""):
+    """score_responses for rows of verl's schema and one response text each. Error messages say
+    "{where}, sample {i} of the batch": `where` names the batch ("step 3", "validation at step 2") and
+    `first` is the place of this rank's first sample in it (every rank's samples count).
 
     With response_ids (one list of token ids per sample) and/or truncated (one bool per sample),
     each reward call gets a copy of its row's extra_info with "response_ids", "response_length" =
@@ -457,6 +570,7 @@ def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=Non
         infos,
         indices=range(first, first + len(rows)),
         errors=errors,
+        where=where,
     )
 
 
@@ -471,15 +585,12 @@ def weighted_score(fns, weights, names, data_source, solution_str, ground_truth,
 
     Returns {"score": ..., names[i]: s_i, f"{names[i]}/{key}": each extra key of fns[i]}, so the
     trainer logs reward_extra/<name>/mean for every function. A function that raises or returns a
-    non-score raises RewardError naming it."""
+    non-score (score_one) raises RewardError naming it."""
     total, out = 0.0, {}
     for fn, weight, name in zip(fns, weights, names):
-        try:
-            value, extras = read_score(
-                fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
-            )
-        except Exception as e:
-            raise RewardError(f"{name}: {type(e).__name__}: {e}") from e
+        value, extras, problem = score_one(fn, data_source, solution_str, ground_truth, extra_info)
+        if problem is not None:
+            raise RewardError(f"{name} {problem}")
         total += weight * value
         out[name] = value
         out.update({f"{name}/{key}": v for key, v in extras.items()})
@@ -521,12 +632,25 @@ def reward_names(specs):
     return names
 
 
-def load_reward_fns(specs, weights=None):
-    """The reward function for one or more --reward-fn specs: the loaded function itself for one
-    spec and no weights (as before), else weighted_reward over all of them, named by reward_names."""
+def load_reward_fns_in_process(specs, weights=None):
+    """The reward function for one or more --reward-fn specs, loaded into this process (the reward
+    worker's): the function itself for one spec and no weights, else weighted_reward over all of them,
+    named by reward_names."""
     if len(specs) == 1 and weights is None:
         return load_reward_fn(specs[0])
     return weighted_reward([load_reward_fn(s) for s in specs], weights, reward_names(specs))
+
+
+def load_reward_fns(specs, weights=None, timeout=300.0):
+    """The reward function for one or more --reward-fn specs, for score_rows and score_responses: a
+    RewardWorker, which runs load_reward_fns_in_process(specs, weights) in a worker process and gives
+    each call `timeout` seconds (--reward-timeout; the module docstring says what else it guards
+    against). Error messages name it "file.function", or "1 * file.f + 0.5 * other.g" for several.
+    Raises RuntimeError, with the file's error, if they cannot be loaded."""
+    names = reward_names(specs)
+    if len(specs) > 1 or weights is not None:  # weighted_reward's name
+        names = [" + ".join(f"{w:g} * {n}" for w, n in zip(weights or [1.0] * len(names), names))]
+    return RewardWorker(specs, weights, timeout, names[0])
 
 
 def response_text(tokenizer, ids, eos_ids):

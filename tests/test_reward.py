@@ -209,7 +209,7 @@ def test_weighted_reward_names_the_function_that_failed():
         return None
 
     fn = weighted_reward([correct, broken], names=["correct", "broken"])
-    with pytest.raises(RewardError, match=r"sample 0 .*broken: ValueError: returned None"):
+    with pytest.raises(RewardError, match=r"1 \* correct \+ 1 \* broken, sample 0 .*: broken returned None"):
         score_responses(fn, ["x"], ["7"], ["7"])
 
 
@@ -219,14 +219,18 @@ def test_reward_names_from_specs_are_unique():
 
 
 def test_load_reward_fns_one_spec_is_unchanged_several_are_weighted():
+    # load_reward_fns runs them in a worker process (test_reward_safety.py); what they return is the same
     bonus = os.path.join(EXAMPLES, "format_bonus.py")
     length = os.path.join(EXAMPLES, "length_aware.py") + ":compute_score"
-    assert load_reward_fns([bonus]).__name__ == "compute_score"  # the function itself, as before
-    fn = load_reward_fns([bonus, length], [1.0, 0.5])
     info = {"response_length": 3, "truncated": False}
-    out = fn(data_source="x", solution_str=r"\boxed{5}", ground_truth="5", extra_info=info)
-    assert out == {"score": 1.5, "format_bonus.compute_score": 1.0, "length_aware.compute_score": 1.0}
-    with pytest.raises(ValueError, match="give one weight per --reward-fn"):
+    one = load_reward_fns([bonus])
+    assert one.__name__ == "format_bonus.compute_score"  # how error messages name it
+    assert score_responses(one, ["x"], [r"\boxed{5}"], ["5"], [info]) == ([1.0], {})
+    fn = load_reward_fns([bonus, length], [1.0, 0.5])
+    assert fn.__name__ == "1 * format_bonus.compute_score + 0.5 * length_aware.compute_score"
+    scores, extras = score_responses(fn, ["x"], [r"\boxed{5}"], ["5"], [info])
+    assert scores == [1.5] and extras == {"format_bonus.compute_score": [1.0], "length_aware.compute_score": [1.0]}
+    with pytest.raises(RuntimeError, match="give one weight per --reward-fn"):  # the worker's error, passed on
         load_reward_fns([bonus, length], [1.0])
 
 
@@ -298,6 +302,7 @@ def seen(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 0.0, "info": extra_info}
 
 
+@pytest.mark.filterwarnings("ignore:reward function seen returns dict values")  # the extra here is a dict on purpose
 def test_score_rows_adds_response_fields_to_a_copy_of_extra_info():
     row = {"data_source": "x", "reward_model": {"ground_truth": "1"}, "extra_info": {"split": "train", "index": 3}}
     bare = {"data_source": "x", "reward_model": {"ground_truth": "1"}}  # no extra_info at all
