@@ -7,18 +7,28 @@
         rng_rank{r}.json                      every random generator of rank r
         trainer_state.json                    step, LR scheduler, config, metric history
         hf/                                   model config and tokenizer, for export
+        checksums.json                        the step, and the size and checksum of every file above
     <out-dir>/latest_checkpointed_iteration.txt    the newest complete step (verl's tracker name)
     <out-dir>/run.lock                        held (flock) by the run writing here: one writer at a time
+    <out-dir>/final_model/, best_model/       Hugging Face format (write_hf), with grpo_step.json: the step
 
 A run directory holds one run: check_run_dir refuses a resume with other training flags (unless
---allow-changed), and --resume never over an existing run, before anything in it is written.
+--allow-changed, and never for the flags that shape the tensors: SHAPES), and --resume never over an
+existing run, before anything in it is written.
 
 A checkpoint is written as global_step_N.tmp/ and renamed only when every rank has finished, then
-the tracker is replaced atomically: a crash mid-save leaves the previous checkpoint in charge.
-The data loader needs no state of its own: the order of prompts is a function of (seed, epoch)
-and the step says where in it we are. The rollout's sampling seeds are a function of (seed, step).
+the tracker is replaced atomically: a crash mid-save leaves the previous checkpoint in charge. So
+does a save that fails: a full disk raises WriteError on every rank ("no space left on device", the
+path, what to do) and the partial .tmp is removed. A model or optimizer state holding inf or NaN is
+never saved (NonFiniteError), nor exported. The data loader needs no state of its own: the order of
+prompts is a function of (seed, epoch) and the step says where in it we are. The rollout's sampling
+seeds are a function of (seed, step).
 
     python checkpoint.py export runs/grpo/global_step_200 my_model   # -> Hugging Face format
+
+An exported model (final_model too) is written aside and renamed into place when complete; its
+grpo_step.json says which step it holds, so a run that finished can tell a final model that its
+last save did not complete (final_model_problem).
 
 With LoRA (lora.py) a checkpoint holds only what trains: the adapters and their optimizer state,
 plus hf/adapter_config.json and the base weights' fingerprint; the base comes from --model again.
@@ -27,18 +37,24 @@ Loading a checkpoint runs no code from it. Reading a pickle can call any functio
 so: everything but tensors is JSON; the shards hold only tensors, read with
 torch.load(weights_only=True), and a shard entry that is a pickled object is refused, not loaded;
 torch's index file (shards/.metadata, a pickle) goes through an unpickler that admits an exact list
-of torch's checkpoint classes. Before resuming we read every file of the checkpoint: a partial or
-corrupt one is skipped with a message naming the file, and if none is good the run refuses to start
-rather than silently starting over.
+of torch's checkpoint classes; export passes trust_remote_code=False to transformers and refuses a
+config that names code (auto_map). Before resuming we read every file of the checkpoint and check it
+against checksums.json: a partial, corrupt or foreign one (a shard copied from another step) is
+skipped with a message naming the file, and if none is good the run refuses to start rather than
+silently starting over.
 """
 
+import errno
+import hashlib
 import io
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
+import zipfile
 
 import numpy as np
 import torch
@@ -52,6 +68,8 @@ import lora
 
 TRACKER = "latest_checkpointed_iteration.txt"
 NON_TENSORS = "non_tensor_state.json"
+CHECKSUMS = "checksums.json"
+MODEL_STEP = "grpo_step.json"  # in an exported model: the step its weights are from
 
 
 def step_dir(out_dir, step):
@@ -145,6 +163,229 @@ def restore_tuples(value, live):
 
 
 # ----------------------------------------------------------------------------------------------
+# What is never saved, and a failed write that says why
+
+
+class NonFiniteError(ValueError):
+    """A tensor to be saved holds an inf or a NaN: the training has diverged, and a checkpoint or a
+    model of it would only carry the damage on."""
+
+
+class WriteError(OSError):
+    """A checkpoint or a model could not be written. The message names the path, the cause ("no
+    space left on device" when the disk is full) and what to do."""
+
+
+def flat_items(tree, prefix=""):
+    """(dotted name, leaf) of nested dicts, in order: the names torch.distributed.checkpoint gives them."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def first_nonfinite(named):
+    """The name of the first of `named` ((name, tensor) pairs) that holds an inf or a NaN, else None.
+    One reduction per tensor and no copy: torch.aminmax, whose min and max are both finite only if
+    every element is (a NaN propagates through both). A DTensor (FSDP2) is checked on this rank's
+    shard: check_finite agrees over ranks."""
+    names, extremes = [], []
+    for name, t in named:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            names.append(name)
+            extremes.append(torch.stack(torch.aminmax(t.detach())).float())
+    if not extremes:
+        return None
+    finite = torch.stack(extremes).isfinite().all(dim=1).cpu()  # [tensors], one device sync
+    return None if finite.all() else names[int((~finite).nonzero()[0])]
+
+
+def nonfinite_error(name, what, todo):
+    return NonFiniteError(
+        f"not saving {what}: {name} holds inf or NaN values (the first tensor that does), so the training "
+        f"has diverged. Nothing was written. {todo}"
+    )
+
+
+def check_finite(named, what, todo):
+    """Raise NonFiniteError naming the first tensor that holds an inf or a NaN. With a process group
+    it is a collective: each rank checks its own shards and every rank raises, so that none is left
+    waiting in the save's next collective. `named` lists the same names in the same order on every
+    rank (a state dict's keys and named_parameters do)."""
+    named = list(named)
+    bad = first_nonfinite(named)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        order = {name: i for i, (name, _) in enumerate(named)}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bad)
+        bad = min((b for b in everyone if b is not None), key=lambda b: order.get(b, len(order)), default=None)
+    if bad is not None:
+        raise nonfinite_error(bad, what, todo)
+
+
+def free_bytes(path):
+    """Bytes free for us on the filesystem that holds `path` (or its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return float("inf")
+
+
+def causes(error):
+    """`error` and every exception inside it: its causes and contexts, and the per-rank failures that
+    torch.distributed.checkpoint's CheckpointException carries."""
+    stack, seen = [error], []
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseException) and all(e is not s for s in seen):
+            seen.append(e)
+            failures = getattr(e, "failures", None) if isinstance(e, dcp.CheckpointException) else None
+            stack += [e.__cause__, e.__context__, *(f[0] for f in (failures or {}).values())]
+    return seen
+
+
+def out_of_space(error, path):
+    """Whether `error`, raised while writing `path`, means the disk (or a quota) is full: an ENOSPC or
+    EDQUOT anywhere in it, or else less than 1 MiB left on path's filesystem. The last test is needed
+    because torch's zip writer reports a failed write as "unexpected pos", without the errno."""
+    for e in causes(error):
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+    return free_bytes(path) < 2**20
+
+
+def write_error(error, path, what, todo):
+    """A WriteError for `error`, raised while `what` was writing `path`: names the path, says "no
+    space left on device" when that is the cause, and what to do (`todo`, a sentence that can follow
+    "then")."""
+    if out_of_space(error, path):
+        cause = f"no space left on device ({free_bytes(path) / 2**20:.0f} MiB free there)"
+        todo = f"Free some space on that disk (or write to another one), then {todo}"
+    else:
+        inner = next((e for e in causes(error) if not isinstance(e, dcp.CheckpointException)), error)
+        cause = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"  # torch adds C++ frames
+        todo = f"Fix that, then {todo}"
+    return WriteError(f"{what}: writing {path} failed: {cause}. {todo}")
+
+
+def first_failure(error):
+    """Collective: the first rank's failure, as an exception every rank can raise (this rank's own
+    `error` if it failed), or None if every rank succeeded. Also a barrier. Without a process group
+    of several ranks, `error` itself."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return error
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if error is None else (type(error).__name__, str(error)))
+    failed = [e for e in everyone if e is not None]
+    if error is not None or not failed:
+        return error
+    kind, message = failed[0]
+    return (NonFiniteError if kind == NonFiniteError.__name__ else WriteError)(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums: <checkpoint>/checksums.json holds the step and a checksum of every file
+#
+# torch.distributed.checkpoint writes each tensor with torch.save, a zip archive, and torch's zip
+# writer computes a CRC-32 of every record as it writes (its reader never checks them). A shard
+# file's checksum is built from those: the blake2b of every record's (name, size, CRC-32), read off
+# the archives' directories at the end of each entry. That costs milliseconds, where hashing the
+# shards again would cost about a fifth of the save (benchmarks/checkpoint_checksum.py).
+# problem_with checks every record's bytes against its CRC-32 and the shard against checksums.json,
+# which catches flipped bytes and a shard copied from another checkpoint. Any other file's checksum
+# is the blake2b of its bytes.
+
+
+def file_digest(path):
+    """blake2b of a file's bytes, read 1 MiB at a time."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def entry_records(archive):
+    """[name, size, CRC-32] of every record of one shard entry (a torch.save zip archive), as its
+    directory lists them. `archive` is the whole entry, or an end of it that holds the directory."""
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        return [[i.filename, i.file_size, i.CRC] for i in z.infolist()]
+
+
+def records_digest(records):
+    """A shard file's checksum: the blake2b of its entries' records (entry_records, in file order)."""
+    return hashlib.blake2b(json.dumps(records).encode(), digest_size=16).hexdigest()
+
+
+def entries_by_file(index):
+    """{shard file: [(MetadataIndex, _StorageInfo) of each entry in it, in file order]} from the shards' index."""
+    files = {}
+    for key, info in index.storage_data.items():
+        files.setdefault(str(info.relative_path), []).append((key, info))
+    return {name: sorted(entries, key=lambda e: e[1].offset) for name, entries in sorted(files.items())}
+
+
+def shard_checksum(path, entries):
+    """records_digest of a shard file, read from the end of each entry only (its zip directory)."""
+    records = []
+    with open(path, "rb") as f:
+        for _, info in entries:
+            tail = min(info.length, 1 << 16)
+            f.seek(info.offset + info.length - tail)
+            try:
+                records.append(entry_records(f.read(tail)))
+            except zipfile.BadZipFile:  # a directory longer than the tail: read the whole entry
+                f.seek(info.offset)
+                records.append(entry_records(f.read(info.length)))
+    return records_digest(records)
+
+
+def write_checksums(ckpt, step):
+    """Write <ckpt>/checksums.json: {"step": step, "files": {path: {"bytes", "blake2b" or
+    "records_blake2b"}}} for every file of the checkpoint. One process calls it, once every rank's
+    files are written and before the checkpoint is published."""
+    shards = entries_by_file(read_index(os.path.join(ckpt, "shards", ".metadata")))
+    files = {}
+    for root, _, names in os.walk(ckpt):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, ckpt)
+            if rel == CHECKSUMS:
+                continue
+            files[rel] = {"bytes": os.path.getsize(path)}
+            if os.path.dirname(rel) == "shards" and name in shards:
+                files[rel]["records_blake2b"] = shard_checksum(path, shards[name])
+            else:
+                files[rel]["blake2b"] = file_digest(path)
+    with open(os.path.join(ckpt, CHECKSUMS), "w") as f:  # not fsync'ed, as the other JSON files: a lost one is
+        json.dump({"step": step, "files": dict(sorted(files.items()))}, f, indent=1)  # found at resume
+
+
+def read_checksums(path, step):
+    """checksums.json of the checkpoint at `path`, checked to be for `step`: its "files" dict.
+    Raises ValueError if it is not what write_checksums writes."""
+    with open(os.path.join(path, CHECKSUMS)) as f:
+        checksums = json.load(f)
+    if not (isinstance(checksums, dict) and isinstance(checksums.get("files"), dict)):
+        raise ValueError("expected a step and a dict of files")
+    if checksums.get("step") != step:
+        raise ValueError(f"it is for step {checksums.get('step')!r}, and trainer_state.json for step {step}")
+    for rel, entry in checksums["files"].items():
+        if (
+            not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int))
+            or os.path.isabs(rel)
+            or ".." in rel.split(os.sep)
+        ):
+            raise ValueError(f"bad entry for {rel!r}")
+    return checksums["files"]
+
+
+# ----------------------------------------------------------------------------------------------
 # Saving
 
 
@@ -169,6 +410,12 @@ class Checkpointer:
     With async_save the shards are copied to CPU memory and written in the background while
     training goes on. poll(), called once per step, publishes the checkpoint as soon as every rank's
     write is done; the next save (or wait(), at the end of training) completes it at the latest.
+
+    A save never leaves a bad checkpoint in charge. A model or optimizer state that holds an inf or
+    a NaN is refused before anything is written (NonFiniteError). A write that fails, on any rank,
+    raises WriteError on every rank, naming the path, the cause ("no space left on device" when the
+    disk is full) and what to do; the partial global_step_N.tmp is removed, and the previous
+    checkpoint stays the newest.
     """
 
     def __init__(self, out_dir, keep=-1, async_save=False):
@@ -187,35 +434,58 @@ class Checkpointer:
         dist.barrier()
 
     def save(self, step, model, optimizer, trainer_state, tokenizer=None):
+        """Write checkpoint `step` of the (sharded) model and optimizer, with trainer_state: a
+        collective. Without async_save it is published (renamed into place, the tracker updated)
+        before this returns; with it, by poll() or wait(), where a failed background write raises."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         self.wait()
+        if not torch.serialization.get_crc32_options():
+            raise RuntimeError(
+                "torch.serialization.set_crc32_options(False) is in effect, but checkpoints need the CRC-32 "
+                "torch.save stores for every record (checksums.json is built on them): remove that call"
+            )
         rank, tmp = dist.get_rank(), step_dir(self.out_dir, step) + ".tmp"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
-            os.makedirs(tmp)
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(dict(trainer_state, step=step, world_size=dist.get_world_size()), f)
-            model.config.save_pretrained(os.path.join(tmp, "hf"))
-            model.generation_config.save_pretrained(os.path.join(tmp, "hf"))
-            if lora.is_lora(model):  # what the adapters are; the base is --model
-                model.peft_config[lora.ADAPTER].save_pretrained(os.path.join(tmp, "hf"))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(os.path.join(tmp, "hf"))
-        dist.barrier()
-        with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
-            json.dump(rng_state(), f)
         state = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
         tensors, plain = split_tensors(state)
-        if rank == 0:  # param_groups are the same on every rank
-            with open(os.path.join(tmp, NON_TENSORS), "w") as f:
-                json.dump(plain, f)
+        check_finite(
+            flat_items(tensors), step_dir(self.out_dir, step), "Resume from the newest checkpoint with a smaller --lr."
+        )
+        error = None
+        if rank == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
+                os.makedirs(tmp)
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    # checksums: problem_with refuses this checkpoint without its checksums.json
+                    json.dump(dict(trainer_state, step=step, world_size=dist.get_world_size(), checksums=True), f)
+                model.config.save_pretrained(os.path.join(tmp, "hf"))
+                model.generation_config.save_pretrained(os.path.join(tmp, "hf"))
+                if lora.is_lora(model):  # what the adapters are; the base is --model
+                    model.peft_config[lora.ADAPTER].save_pretrained(os.path.join(tmp, "hf"))
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+                with open(os.path.join(tmp, NON_TENSORS), "w") as f:  # param_groups are the same on every rank
+                    json.dump(plain, f)
+            except Exception as e:
+                error = e
+        self._check(error, step, tmp)  # and a barrier: tmp exists
+        try:
+            with open(os.path.join(tmp, f"rng_rank{rank}.json"), "w") as f:
+                json.dump(rng_state(), f)
+        except Exception as e:
+            error = e
+        self._check(error, step, os.path.join(tmp, f"rng_rank{rank}.json"))
         shards = os.path.join(tmp, "shards")
         if self.async_save:
             self.pending = (dcp.async_save(tensors, checkpoint_id=shards, process_group=self.group), step)
-        else:
+            return
+        try:
             dcp.save(tensors, checkpoint_id=shards)
-            self._finish(step)
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+            error = e
+        self._check(error, step, shards)
+        self._finish(step)
 
     def poll(self):
         """Publish a background save as soon as every rank has written its shards. Call it once per
@@ -233,26 +503,55 @@ class Checkpointer:
         """Complete a background save, if one is running."""
         if self.pending is not None:
             future, step = self.pending
-            future.result()
             self.pending = None
+            error = None
+            try:
+                future.result()
+            except (Exception, dcp.CheckpointException) as e:
+                error = e
+            self._check(error, step, os.path.join(step_dir(self.out_dir, step) + ".tmp", "shards"))
             self._finish(step)
+
+    def _check(self, error, step, path):
+        """Collective: if a write of checkpoint `step` failed on any rank (`error` here, at `path`),
+        remove the partial directory and raise WriteError on every rank. Otherwise a barrier."""
+        tmp, final = step_dir(self.out_dir, step) + ".tmp", step_dir(self.out_dir, step)
+        original = error
+        if error is not None:
+            todo = (
+                f"run the same command again: it resumes from the newest complete checkpoint in {self.out_dir} "
+                f"(this save's unfinished {tmp} is removed)"
+            )
+            error = write_error(error, getattr(error, "filename", None) or path, f"saving {final}", todo)
+        failure = first_failure(error)
+        if failure is not None:
+            if dist.get_rank() == 0:  # every rank has stopped writing into it
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteError(str(failure)) from original
 
     def _finish(self, step):
         crash_point("save", step)  # all shards written, not yet visible: the worst moment to die
         dist.barrier()  # every rank's shards are on disk
+        final, tracker = step_dir(self.out_dir, step), os.path.join(self.out_dir, TRACKER)
+        tmp, error, path = final + ".tmp", None, final + ".tmp"
         if dist.get_rank() == 0:
-            final = step_dir(self.out_dir, step)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(step_dir(self.out_dir, step) + ".tmp", final)
-            tracker = os.path.join(self.out_dir, TRACKER)
-            with open(tracker + ".tmp", "w") as f:
-                f.write(str(step))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tracker + ".tmp", tracker)
-            if self.keep > 0:  # older checkpoints go only now that a newer one is complete
-                for old in sorted(saved_steps(self.out_dir))[: -self.keep]:
-                    shutil.rmtree(step_dir(self.out_dir, old), ignore_errors=True)
+            try:  # everything that may fail to write, before the checkpoint is published
+                write_checksums(tmp, step)
+                path = tracker + ".tmp"
+                with open(path, "w") as f:
+                    f.write(str(step))
+                    f.flush()
+                    os.fsync(f.fileno())
+                path = final
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+                os.replace(tracker + ".tmp", tracker)
+            except Exception as e:
+                error = e
+        self._check(error, step, path)
+        if dist.get_rank() == 0 and self.keep > 0:  # older checkpoints go only now that a newer one is complete
+            for old in sorted(saved_steps(self.out_dir))[: -self.keep]:
+                shutil.rmtree(step_dir(self.out_dir, old), ignore_errors=True)
         dist.barrier()
 
 
@@ -338,9 +637,17 @@ class SafeReader(FileSystemReader):
 def problem_with(path):
     """Why the checkpoint at `path` cannot be loaded, or None if it is complete and sound.
 
-    We read every file a resume would read, shards included (each entry must load as a tensor), so
-    that a garbled file is found here, and skipped, rather than halfway through loading. That reads
-    the whole checkpoint once more on every rank, at resume only (about a second per GB on CPU).
+    We read every file a resume would read, shards included, so that a garbled file is found here,
+    and skipped, rather than halfway through loading: each JSON file must parse, each shard entry
+    must be a torch.save archive whose every record matches its CRC-32 and that loads as a tensor,
+    and every file must match its size and checksum in checksums.json, which must be for this step.
+    That reads the whole checkpoint once more on every rank, at resume only (about a second per GB on CPU).
+
+    A checkpoint written before checkpoints had checksums.json is accepted with a warning: its
+    shards are still checked against the CRC-32s torch stored in them, which catches flipped bytes,
+    only a shard copied from another checkpoint goes unnoticed. Refusing it would strand every run
+    that was saved before, with nothing to resume from but its own checkpoints. A checkpoint whose
+    trainer_state.json says it has checksums and that lacks checksums.json is refused.
     """
     for name in (
         "trainer_state.json",
@@ -360,6 +667,9 @@ def problem_with(path):
             and isinstance(state.get("config"), dict)
         ):
             raise ValueError("expected a step, a world_size and a config")
+        named = re.fullmatch(r"global_step_(\d+)", os.path.basename(os.path.normpath(path)))
+        if named and int(named[1]) != state["step"]:
+            raise ValueError(f"it is for step {state['step']}, not {named[1]}")
         for name in (NON_TENSORS, os.path.join("hf", "config.json")):
             with open(os.path.join(path, name)) as f:
                 if not isinstance(json.load(f), dict):
@@ -372,6 +682,17 @@ def problem_with(path):
                 return f"{name} is missing"
             with open(os.path.join(path, name)) as f:
                 check_rng_state(json.load(f))
+        name, checksums = CHECKSUMS, None
+        if os.path.isfile(os.path.join(path, CHECKSUMS)):
+            checksums = read_checksums(path, state["step"])
+        elif state.get("checksums"):
+            return f"{CHECKSUMS} is missing"
+        else:
+            print(
+                f"{path}: no {CHECKSUMS} (saved before checkpoints had checksums): its shards are checked against "
+                "torch's CRC-32s of their records, but nothing ties them to this checkpoint",
+                flush=True,
+            )
     except Exception as e:
         return f"{name} is unreadable ({type(e).__name__}: {e})"
     pickled = [fqn for fqn, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata)]
@@ -380,20 +701,50 @@ def problem_with(path):
             f"the shards hold pickled objects ({', '.join(pickled[:3])}{', ...' if len(pickled) > 3 else ''}), which we never load"
             " (checkpoint.py used to write the optimizer's param_groups that way)"
         )
-    for info in metadata.storage_data.values():  # every shard file long enough for what it should hold
-        shard = os.path.join(path, "shards", str(info.relative_path))
-        if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
-            return f"shard {info.relative_path} is missing or truncated"
-    for index, info in metadata.storage_data.items():  # and each entry in it a tensor
-        with open(os.path.join(path, "shards", str(info.relative_path)), "rb") as f:
-            f.seek(info.offset)
-            entry = f.read(info.length)
-        try:
-            tensor = torch.load(io.BytesIO(entry), map_location="cpu", weights_only=True)
-        except Exception as e:
-            tensor = e
-        if not isinstance(tensor, torch.Tensor):
-            return f"shard {info.relative_path} is corrupt: {index.fqn} at byte {info.offset} is not a tensor ({type(tensor).__name__})"
+    shards = entries_by_file(metadata)
+    for shard, entries in shards.items():  # every shard file long enough for what it should hold
+        file = os.path.join(path, "shards", shard)
+        if not os.path.isfile(file) or os.path.getsize(file) < max(i.offset + i.length for _, i in entries):
+            return f"shard {shard} is missing or truncated"
+    if checksums is not None:  # every file as it was written; the shards' records are checked below
+        for shard in shards:
+            if os.path.join("shards", shard) not in checksums:
+                return f"shard {shard} is not in {CHECKSUMS}: it was not written by this checkpoint's save"
+        for rel, entry in checksums.items():
+            file = os.path.join(path, rel)
+            if not os.path.isfile(file):
+                return f"{rel} is missing"
+            if os.path.getsize(file) != entry["bytes"]:
+                return f"{rel} has {os.path.getsize(file)} bytes, {CHECKSUMS} says {entry['bytes']}"
+            if "records_blake2b" not in entry and file_digest(file) != entry.get("blake2b"):
+                return f"{rel} does not match its checksum in {CHECKSUMS}: it changed after the save"
+    for shard, entries in shards.items():  # each entry a tensor whose records match their CRC-32s
+        records = []
+        with open(os.path.join(path, "shards", shard), "rb") as f:
+            for index, info in entries:
+                f.seek(info.offset)
+                entry = f.read(info.length)
+                where = f"shard {shard} is corrupt: {index.fqn} at byte {info.offset}"
+                try:
+                    records.append(entry_records(entry))
+                    with zipfile.ZipFile(io.BytesIO(entry)) as z:
+                        bad = z.testzip()
+                except Exception as e:
+                    return f"{where} is not a torch.save archive ({type(e).__name__}: {e})"
+                if bad is not None:
+                    return f"{where}: its record {bad} does not match its CRC-32"
+                try:
+                    tensor = torch.load(io.BytesIO(entry), map_location="cpu", weights_only=True)
+                except Exception as e:
+                    tensor = e
+                if not isinstance(tensor, torch.Tensor):
+                    return f"{where} is not a tensor ({type(tensor).__name__})"
+        expected = None if checksums is None else checksums[os.path.join("shards", shard)].get("records_blake2b")
+        if checksums is not None and records_digest(records) != expected:
+            return (
+                f"shard {shard} does not match its checksum in {CHECKSUMS}: it was written by another save "
+                "(copied from another checkpoint?)"
+            )
     return None
 
 
@@ -455,11 +806,49 @@ MODEL_SHAPE = (
 )
 
 
+def lora_targets(lora_config):
+    """A LoraConfig's target modules, for a message: "all-linear", or their sorted names."""
+    targets = lora_config.target_modules
+    return sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
+
+
+def check_shapes(path, tensors, model):
+    """Refuse, before loading, a checkpoint whose tensors do not fit the live ones (nested dicts of
+    tensors, named as in the shards): one that lacks some, or holds them in other shapes. With LoRA
+    that is another --lora-rank or --lora-target-modules, and the message names both sides'."""
+    saved = read_index(os.path.join(path, "shards", ".metadata")).state_dict_metadata
+    missing, reshaped = [], []
+    for name, t in flat_items(tensors):
+        if name not in saved:
+            missing.append(name)
+        elif tuple(getattr(saved[name], "size", ())) != tuple(t.shape):
+            reshaped.append(f"{name}: {list(saved[name].size)} there, {list(t.shape)} now")
+    if not (missing or reshaped):
+        return
+    problems = []
+    if reshaped:
+        problems.append(f"{len(reshaped)} tensors differ in shape, e.g. {reshaped[0]}")
+    if missing:
+        problems.append(f"it lacks {len(missing)} of this run's tensors, e.g. {missing[0]}")
+    todo = "Resume with the flags it was saved with, or pass a new --out-dir for a new run."
+    saved_lora = lora.read_config(os.path.join(path, "hf"))
+    if saved_lora is not None and lora.is_lora(model):
+        now = model.peft_config[lora.ADAPTER]
+        todo = (
+            f"It holds LoRA adapters of rank {saved_lora.r} on {lora_targets(saved_lora)}, and this run makes rank "
+            f"{now.r} on {lora_targets(now)}: resume with --lora-rank {saved_lora.r} and the same "
+            "--lora-target-modules, or pass a new --out-dir for a new run."
+        )
+    raise SystemExit(f"{path} does not fit this model: {'; '.join(problems)}. {todo}")
+
+
 def load(path, model, optimizer, config):
     """Load a checkpoint into the (sharded) model and optimizer; returns its trainer state.
 
     Model and optimizer reshard to any number of ranks. A model of different shape is an error
-    naming the fields that differ; other config changes are allowed and listed.
+    naming the fields that differ, and so, before anything is loaded, is a checkpoint whose tensors
+    do not fit the live ones (check_shapes: LoRA adapters of another rank or target modules); other
+    config changes are allowed and listed.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -494,6 +883,7 @@ def load(path, model, optimizer, config):
         )
     live = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     tensors, _ = split_tensors(live)  # filled in place from the shards
+    check_shapes(path, tensors, model)
     dcp.load(tensors, storage_reader=SafeReader(os.path.join(path, "shards")))
     with open(os.path.join(path, NON_TENSORS)) as f:
         saved = join_tensors(tensors, restore_tuples(json.load(f), live))
@@ -520,64 +910,130 @@ def load(path, model, optimizer, config):
 # Export to Hugging Face format
 
 
-def write_hf(state_dict, config, generation_config, tokenizer, out_dir):
+def prepare_dir(out_dir):
+    """Ready out_dir to be written aside and published (publish_dir); returns the directory to write,
+    out_dir.tmp, made anew. Undoes what a crash left: an unfinished out_dir.tmp, and the previous
+    out_dir still at out_dir.old (a crash between publish_dir's two renames)."""
+    out_dir = os.path.normpath(out_dir)
+    tmp, old = out_dir + ".tmp", out_dir + ".old"
+    if os.path.isdir(old) and not os.path.exists(out_dir):
+        os.rename(old, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def publish_dir(tmp, out_dir):
+    """Put the complete directory `tmp` (from prepare_dir) in out_dir's place. out_dir is never
+    partial: it is the previous one until the last rename, then the new one; in between, for the
+    time of one rename, it is absent and the previous one is out_dir.old."""
+    out_dir = os.path.normpath(out_dir)
+    if os.path.exists(out_dir):
+        os.rename(out_dir, out_dir + ".old")
+    os.rename(tmp, out_dir)
+    shutil.rmtree(out_dir + ".old", ignore_errors=True)
+
+
+def write_hf(state_dict, config, generation_config, tokenizer, out_dir, step=None):
     """Write a full state dict as a Hugging Face model: safetensors, config, generation config,
     tokenizer with its chat template. Loadable by AutoModelForCausalLM.from_pretrained and vLLM.
+    With `step` (the training step the weights are from), also out_dir/grpo_step.json, which
+    final_model_problem reads.
 
-    The model is written to out_dir.tmp and renamed to out_dir only when complete, so a crash
-    mid-write never leaves a half-written model, nor deletes the previous one, under out_dir."""
+    Weights that hold an inf or a NaN are refused (NonFiniteError) before anything is written. The
+    model is written to out_dir.tmp and renamed to out_dir only when complete, so a crash mid-write
+    never leaves a half-written model, nor deletes the previous one, under out_dir. A write that
+    fails raises WriteError (the path; "no space left on device" when the disk is full) and removes
+    out_dir.tmp; out_dir stays as it was."""
     from transformers import AutoModelForCausalLM
 
     out_dir = os.path.normpath(out_dir)
-    tmp, old = out_dir + ".tmp", out_dir + ".old"
-    if os.path.isdir(old) and not os.path.exists(out_dir):  # a crash between the two renames below
-        os.rename(old, out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)  # a write a crash left unfinished
-    shutil.rmtree(old, ignore_errors=True)
+    bad = first_nonfinite(state_dict.items())
+    if bad is not None:
+        raise nonfinite_error(bad, out_dir, "Export an earlier checkpoint, or resume from one with a smaller --lr.")
     with torch.device("meta"):  # a skeleton of the right class, filled with the given tensors
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.load_state_dict(state_dict, assign=True, strict=False)
     model.tie_weights()
     if generation_config is not None:
         model.generation_config = generation_config
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if os.path.exists(out_dir):  # out_dir is absent only between these two renames, never partial
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    tmp = out_dir + ".tmp"
+    try:
+        prepare_dir(out_dir)
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if step is not None:
+            with open(os.path.join(tmp, MODEL_STEP), "w") as f:
+                json.dump({"step": step}, f)
+        publish_dir(tmp, out_dir)
+    except Exception as e:
+        todo = f"write it again from a checkpoint: python checkpoint.py export <out-dir>/global_step_N {out_dir}"
+        error = write_error(e, getattr(e, "filename", None) or tmp, f"writing the model {out_dir}", todo)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise error from e
+
+
+def check_no_code(model_dir):
+    """Refuse a model or checkpoint directory whose config or tokenizer config names Python code to
+    run (auto_map): loading it would run that code, and we never run code from a checkpoint."""
+    for name in ("config.json", "tokenizer_config.json"):
+        file = os.path.join(model_dir, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file) as f:
+                auto_map = json.load(f).get("auto_map")
+        except (ValueError, AttributeError) as e:
+            raise SystemExit(f"{file} is not a JSON object ({e})") from None
+        if auto_map:
+            raise SystemExit(
+                f"{file} names custom code to run (auto_map: {json.dumps(auto_map)}), and checkpoint.py never runs "
+                "code from a model or checkpoint. If the model is a transformers architecture, remove auto_map from "
+                "that file (and set model_type to the architecture's); otherwise export it with its own code."
+            )
 
 
 def export(checkpoint, out_dir, base=None, adapter_dir=None):
     """Checkpoint -> Hugging Face format, in one process, whatever number of ranks saved it.
 
     A LoRA checkpoint holds the adapters only: they are loaded onto the base model (`base`, by
-    default the run's --model) and written twice, merged into a plain model at out_dir and as a PEFT
-    adapter directory at adapter_dir (default: out_dir + "_adapter")."""
+    default the run's --model) and written twice, as a PEFT adapter directory at adapter_dir
+    (default: out_dir + "_adapter") and then merged into a plain model at out_dir. The merged model
+    is written last, with the checkpoint's step in grpo_step.json: its presence says both are complete.
+
+    Runs no code from the checkpoint: every from_pretrained passes trust_remote_code=False, and a
+    config that names code (auto_map) is refused. Raises WriteError or NonFiniteError as write_hf."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     problem = problem_with(checkpoint)
     if problem:
         raise SystemExit(f"{checkpoint}: cannot export: {problem}")
     hf = os.path.join(checkpoint, "hf")
-    config, lora_config = AutoConfig.from_pretrained(hf), lora.read_config(hf)
-    tokenizer = AutoTokenizer.from_pretrained(hf) if os.path.isfile(os.path.join(hf, "tokenizer_config.json")) else None
+    check_no_code(hf)
+    no_code = dict(trust_remote_code=False)
+    config, lora_config = AutoConfig.from_pretrained(hf, **no_code), lora.read_config(hf)
+    has_tokenizer = os.path.isfile(os.path.join(hf, "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(hf, **no_code) if has_tokenizer else None
+    generation_config = GenerationConfig.from_pretrained(hf)  # plain JSON: it has no code to run
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
     shards = SafeReader(os.path.join(checkpoint, "shards"))
     if lora_config is None:
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = AutoModelForCausalLM.from_config(config, **no_code)
         full = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in skeleton.state_dict().items()}}
         dcp.load(full, storage_reader=shards, no_dist=True)
-        write_hf(full["model"], config, GenerationConfig.from_pretrained(hf), tokenizer, out_dir)
+        write_hf(full["model"], config, generation_config, tokenizer, out_dir, state["step"])
         print(f"exported {checkpoint} to {out_dir}")
         return
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        state = json.load(f)
     base = base or state["config"]["model"]
+    if os.path.isdir(base):
+        check_no_code(base)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    except OSError as e:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **no_code)
+    except (OSError, ValueError) as e:
         raise SystemExit(
             f"{checkpoint} holds LoRA adapters; their base model {base!r} does not load ({e}); pass --base DIR"
         ) from None
@@ -588,18 +1044,49 @@ def export(checkpoint, out_dir, base=None, adapter_dir=None):
     adapters = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
     dcp.load(adapters, storage_reader=shards, no_dist=True)
     model.load_state_dict(adapters["model"], strict=False)
-    write_hf(
-        dict(lora.merged_parameters(model, torch.float32)),
-        config,
-        GenerationConfig.from_pretrained(hf),
-        tokenizer,
-        out_dir,
-    )
+    merged = dict(lora.merged_parameters(model, torch.float32))
+    bad = first_nonfinite(merged.items())
+    if bad is not None:
+        raise nonfinite_error(bad, out_dir, "Export an earlier checkpoint, or resume from one with a smaller --lr.")
     adapter_dir = adapter_dir or os.path.normpath(out_dir) + "_adapter"
-    lora.write_adapter(
-        {k.replace(f".{lora.ADAPTER}.", "."): v for k, v in adapters["model"].items()}, lora_config, adapter_dir
-    )
+    try:
+        lora.write_adapter(
+            {k.replace(f".{lora.ADAPTER}.", "."): v for k, v in adapters["model"].items()}, lora_config, adapter_dir
+        )
+    except Exception as e:
+        todo = f"run this export again: python checkpoint.py export {checkpoint} {out_dir}"
+        raise write_error(
+            e, getattr(e, "filename", None) or adapter_dir, f"writing the adapter {adapter_dir}", todo
+        ) from e
+    write_hf(merged, config, generation_config, tokenizer, out_dir, state["step"])
     print(f"exported {checkpoint}: the merged model to {out_dir}, the adapter to {adapter_dir}")
+
+
+def final_model_problem(out_dir, checkpoint):
+    """Why <out_dir>/final_model is not the export of `checkpoint` (the run's newest), or None if it is.
+
+    For the start of a run that has finished: a crash while the final model was written leaves no
+    final_model, or an unfinished final_model.tmp, or the final model of an earlier end of the run
+    (before --max-steps was raised). The final model is written last, with the step of its weights
+    in grpo_step.json (write_hf), so a final_model holding the checkpoint's step is complete, and so
+    is a LoRA run's final_adapter when it is written before the final model (export() does that).
+    To repair: export(checkpoint, final_model, adapter_dir=final_adapter), or save the loaded policy
+    again (policy.save_hf)."""
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        step = json.load(f)["step"]
+    final = os.path.join(out_dir, "final_model")
+    if os.path.isdir(final + ".tmp"):
+        return f"{final}.tmp is a final model whose writing was interrupted"
+    if not os.path.isdir(final):
+        return f"{final} is missing"
+    try:
+        with open(os.path.join(final, MODEL_STEP)) as f:
+            saved = json.load(f)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{final} has no readable {MODEL_STEP}, so nothing says which step it holds"
+    if saved != step:
+        return f"{final} holds step {saved}, and the newest checkpoint, {checkpoint}, step {step}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -644,7 +1131,15 @@ RESUMABLE = {
     "max_ckpt_to_keep",
     "health_bands",
     "async_save",
+    "reward_timeout",
+    "collective_timeout",
 }
+
+
+# Flags that give the checkpoint's tensors their shapes (the LoRA adapters and their AdamW moments): a
+# checkpoint cannot continue with other values, --allow-changed or not. (The model's own shape is
+# checked on load, against its config.)
+SHAPES = ("lora_rank", "lora_target_modules")
 
 
 def lock_run_dir(out_dir):
@@ -727,6 +1222,16 @@ def check_run_dir(out_dir, resume, config, allow_changed=()):
             saved, where = json.load(f), os.path.join(out_dir, "config.json")
     else:
         return None
+    reshaped = {k: (saved[k], config[k]) for k in SHAPES if k in saved and k in config and saved[k] != config[k]}
+    if resume_from is not None and reshaped:
+        listing = "\n".join(f"    --{k.replace('_', '-')}: {a!r} there, {b!r} now" for k, (a, b) in reshaped.items())
+        back = " ".join(f"--{k.replace('_', '-')} {a}" for k, (a, _) in reshaped.items())
+        raise SystemExit(
+            f"{resume_from} cannot continue with other LoRA shapes:\n{listing}\nThe adapters and their optimizer "
+            f"state have the shapes these flags give them, so not even --allow-changed can change them. Resume with "
+            f"{back}, or pass a new --out-dir for a new run (to start it from this run's weights: python checkpoint.py "
+            f"export {resume_from} DIR, then --model DIR)."
+        )
     changed = {
         k: (saved[k], v)
         for k, v in config.items()
@@ -757,4 +1262,7 @@ if __name__ == "__main__":
         "--adapter-out", default=None, help="LoRA: where to write the PEFT adapter (default: OUT_DIR_adapter)"
     )
     args = parser.parse_args()
-    export(args.checkpoint, args.out_dir, args.base, args.adapter_out)
+    try:
+        export(args.checkpoint, args.out_dir, args.base, args.adapter_out)
+    except (WriteError, NonFiniteError) as e:  # the message says what happened and what to do
+        raise SystemExit(str(e)) from None

@@ -141,6 +141,21 @@ def test_killed_lora_run_resumes_exactly_and_only_on_its_own_base(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_lora_run_is_not_continued_with_another_rank(tmp_path):
+    """The adapters' shapes follow --lora-rank: not even --allow-changed continues a checkpoint with
+    another, and the refusal comes before anything loads, naming both ranks."""
+    lora = "--lora-rank 8 --lr 5e-3 --kl-coef 0.05 --max-steps 2".split()
+    train(tmp_path / "run", *lora)
+    other = [*lora, "--max-steps", "4", "--lora-rank", "16", "--allow-changed", "lora_rank"]  # to train on
+    checkpoint_2 = checkpoint.step_dir(tmp_path / "run", 2)
+    for out_dir, flags in ((tmp_path / "run", other), (tmp_path / "new", [*other, "--resume", checkpoint_2])):
+        proc = attempt(out_dir, *flags)
+        assert proc.returncode != 0 and f"{checkpoint_2} cannot continue with other LoRA shapes" in proc.stderr
+        assert "--lora-rank: 8 there, 16 now" in proc.stderr and "Resume with --lora-rank 8" in proc.stderr
+        assert "size mismatch" not in proc.stderr and "resumed from" not in proc.stdout
+
+
+@pytest.mark.slow
 def test_async_save_killed_before_it_completed(baselines, tmp_path):
     # with --async-save, step 2's checkpoint is completed during step 3's save: die right there
     train(tmp_path, "--async-save", crash_at="save:2")
@@ -192,7 +207,20 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     from config import DEMO_OVERRIDES  # the run's flags, but for the model
 
     demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
-    cmd = [sys.executable, "train_grpo.py", "--out-dir", str(run), "--rollout", "hf", *demo, *RUN, "--model", other]
+    extended = ["--max-steps", "6"]  # a finished run would end before loading anything
+    cmd = [
+        sys.executable,
+        "train_grpo.py",
+        "--out-dir",
+        str(run),
+        "--rollout",
+        "hf",
+        *demo,
+        *RUN,
+        *extended,
+        "--model",
+        other,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert (
         proc.returncode != 0

@@ -4,6 +4,7 @@ start), an async save is published as soon as every rank has written it, and an 
 left half-written. One 2-rank run of checkpoint.py on a tiny model (seconds) makes the checkpoints;
 everything else runs in this process."""
 
+import io
 import json
 import os
 import pickle
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import pytest
 import torch
@@ -23,14 +25,17 @@ import checkpoint
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Saves and loads as train_grpo.py does, on 2 ranks: <root>/run has steps 1 and 2 (saved in the
-# foreground), <root>/async has step 3 (saved in the background, published by poll()).
+# foreground), <root>/async has step 3 (saved in the background, published by poll()), <root>/lora
+# step 1 of LoRA adapters (rank 8 on q_proj and v_proj). Then saves that must fail on every rank: of
+# weights holding inf (<root>/nonfinite, <root>/nonfinite_model), and onto /dev/full (<root>/devfull).
+# Each rank's error messages go to <root>/messages_rank{r}.json.
 SAVE_AND_LOAD = textwrap.dedent(
     """
-    import os, sys, time
+    import json, os, sys, time
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import checkpoint
+    import checkpoint, policy
 
     model_dir, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -91,6 +96,50 @@ SAVE_AND_LOAD = textwrap.dedent(
     saver.poll()
     assert saver.pending is None and open(os.path.join(out, checkpoint.TRACKER)).read() == "3"
     saver.poll()  # nothing pending: a no-op
+
+    # inf in rank 1's shard of one parameter: every rank refuses, naming it, and nothing is written
+    messages = {}
+    param = dict(model.named_parameters())["model.norm.weight"]
+    kept = param.to_local().clone()
+    with torch.no_grad():
+        if rank == 1:
+            param.to_local()[3] = float("inf")
+    saver = checkpoint.Checkpointer(os.path.join(root, "nonfinite"))
+    for name, write in (
+        ("save", lambda: saver.save(4, model, optimizer, {"config": config}, tokenizer)),
+        ("save_hf", lambda: policy.save_hf(model, tokenizer, os.path.join(root, "nonfinite_model"), rank, step=4)),
+    ):
+        try:
+            write()
+        except checkpoint.NonFiniteError as e:
+            messages[name] = str(e)
+    with torch.no_grad():
+        param.to_local().copy_(kept)
+
+    # a file the save writes points at /dev/full: every rank fails, naming it and the full disk
+    full = os.path.join(root, "devfull")
+    saver = checkpoint.Checkpointer(full)
+    saver.save(1, model, optimizer, {"config": config}, tokenizer)
+    if rank == 0:
+        os.symlink("/dev/full", os.path.join(full, checkpoint.TRACKER + ".tmp"))
+    dist.barrier()
+    try:
+        saver.save(2, model, optimizer, {"config": config}, tokenizer)
+    except checkpoint.WriteError as e:
+        messages["devfull"] = str(e)
+
+    # a LoRA checkpoint: rank 8 on q_proj and v_proj
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    adapted = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    fully_shard(adapted)
+    lora_optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-3)
+    train_step(adapted, lora_optimizer)
+    checkpoint.Checkpointer(os.path.join(root, "lora")).save(1, adapted, lora_optimizer, {"config": config}, tokenizer)
+    with open(os.path.join(root, f"messages_rank{rank}.json"), "w") as f:
+        json.dump(messages, f)
     dist.destroy_process_group()
     """
 )
@@ -98,7 +147,7 @@ SAVE_AND_LOAD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """<root>/run/global_step_{1,2} and <root>/async/global_step_3, saved by 2 ranks."""
+    """The directories SAVE_AND_LOAD leaves under <root>, saved by 2 ranks."""
     import data_prep
     from models import build_tiny_model
 
@@ -320,9 +369,12 @@ def test_an_export_is_never_left_half_written(saved, tmp_path):
 
     checkpoint.write_hf(first, model.config, model.generation_config, None, str(out))
     assert torch.equal(weights(), first["model.embed_tokens.weight"])
-    with pytest.raises(OSError, match="disk full"):  # a crash mid-write: the previous model stays whole
+    # a write that fails: the previous model stays whole, and the unfinished copy is removed
+    with pytest.raises(
+        checkpoint.WriteError, match=f"writing the model {out}: writing {out}.tmp failed: OSError: disk full"
+    ):
         checkpoint.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
-    assert torch.equal(weights(), first["model.embed_tokens.weight"]) and os.path.isdir(f"{out}.tmp")
+    assert torch.equal(weights(), first["model.embed_tokens.weight"]) and not os.path.exists(f"{out}.tmp")
     os.rename(out, f"{out}.old")  # a crash between the two renames: the previous model is put back
     with pytest.raises(OSError, match="disk full"):
         checkpoint.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
@@ -333,3 +385,441 @@ def test_an_export_is_never_left_half_written(saved, tmp_path):
     assert torch.equal(
         AutoModelForCausalLM.from_pretrained(out).state_dict()["lm_head.weight"], second["model.embed_tokens.weight"]
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums: a changed or foreign file is found, naming it
+
+
+def reseal(step_path):
+    """Write checksums.json again, as if the edited checkpoint had been saved that way: for tests
+    that change a checkpoint on purpose and want another check to catch it."""
+    with open(os.path.join(step_path, "trainer_state.json")) as f:
+        checkpoint.write_checksums(step_path, json.load(f)["step"])
+
+
+def test_every_file_of_a_checkpoint_has_a_checksum_and_the_step(saved):
+    for step_path, step in ((checkpoint.step_dir(saved / "run", 2), 2), (checkpoint.step_dir(saved / "async", 3), 3)):
+        with open(os.path.join(step_path, checkpoint.CHECKSUMS)) as f:
+            checksums = json.load(f)
+        on_disk = {
+            os.path.relpath(os.path.join(root, name), step_path)
+            for root, _, names in os.walk(step_path)
+            for name in names
+        }
+        assert checksums["step"] == step and set(checksums["files"]) == on_disk - {checkpoint.CHECKSUMS}
+        shards = {rel for rel in on_disk if rel.endswith(".distcp")}
+        assert shards == {
+            "shards/__0_0.distcp",
+            "shards/__1_0.distcp",
+        }  # both ranks' shards, saved in the background too
+        assert all("records_blake2b" in checksums["files"][rel] for rel in shards)
+
+
+def flip(path, offset, mask=0x01):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+def tensor_bytes(step_path, fqn):
+    """(shard file, offset) of the middle byte of the tensor `fqn`'s data in rank 0's shard."""
+    index = checkpoint.read_index(os.path.join(step_path, "shards", ".metadata"))
+    info = min((info for key, info in index.storage_data.items() if key.fqn == fqn), key=lambda i: i.relative_path)
+    shard = os.path.join(step_path, "shards", info.relative_path)
+    with open(shard, "rb") as f:
+        f.seek(info.offset)
+        entry = f.read(info.length)
+    with zipfile.ZipFile(io.BytesIO(entry)) as z:
+        (data,) = [i for i in z.infolist() if "/data/" in i.filename]
+    # the record's bytes follow its local header: 30 bytes, the name, the extra field (torch's alignment)
+    header = entry[data.header_offset : data.header_offset + 30]
+    start = data.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return shard, info.offset + start + data.file_size // 2
+
+
+@pytest.mark.parametrize("mask", [0x01, 0x80])
+def test_flipped_bytes_inside_a_shard_are_found(run, capsys, mask):
+    # before: the shard kept its length and every entry still loaded as a tensor, so the run resumed
+    # from it with other weights
+    step_path = checkpoint.step_dir(run, 2)
+    shard, offset = tensor_bytes(step_path, "model.model.embed_tokens.weight")
+    size = os.path.getsize(shard)
+    flip(shard, offset, mask)
+    flip(shard, offset + 64, mask)
+    assert os.path.getsize(shard) == size
+    problem = checkpoint.problem_with(step_path)
+    name = os.path.basename(shard)
+    assert problem.startswith(f"shard {name} is corrupt: model.model.embed_tokens.weight at byte ")
+    assert problem.endswith("does not match its CRC-32"), problem
+    assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
+    assert f"resume: skipping {step_path}: shard {name} is corrupt" in capsys.readouterr().out
+
+
+def test_a_number_changed_in_a_json_file_is_found(run):
+    step_path = checkpoint.step_dir(run, 2)
+    state_file = os.path.join(step_path, checkpoint.NON_TENSORS)
+    text = open(state_file).read()
+    open(state_file, "w").write(text.replace('"lr": 0.001', '"lr": 0.002'))  # still valid JSON, same length
+    assert checkpoint.problem_with(step_path) == (
+        f"{checkpoint.NON_TENSORS} does not match its checksum in {checkpoint.CHECKSUMS}: it changed after the save"
+    )
+
+
+@pytest.mark.parametrize(
+    "copied, problem",
+    [
+        (
+            ["shards/__1_0.distcp"],
+            "shard __1_0.distcp does not match its checksum in checksums.json: it was written by another save",
+        ),
+        (
+            ["shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"],
+            "shards/.metadata does not match its checksum",
+        ),
+        (
+            ["shards", "checksums.json"],
+            "checksums.json is unreadable (ValueError: it is for step 1, and trainer_state.json for step 2)",
+        ),
+        (
+            ["trainer_state.json", "checksums.json"],
+            "trainer_state.json is unreadable (ValueError: it is for step 1, not 2)",
+        ),
+    ],
+)
+def test_files_copied_from_another_step_are_found(run, capsys, copied, problem):
+    # before: step 1's shards (the same sizes) in step 2's directory resumed "from global_step_2"
+    for rel in copied:
+        src, dst = checkpoint.step_dir(run, 1) + "/" + rel, checkpoint.step_dir(run, 2) + "/" + rel
+        if os.path.isdir(src):
+            shutil.rmtree(dst)
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy(src, dst)
+    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith(problem)
+    assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
+    assert f"resume: skipping {checkpoint.step_dir(run, 2)}: {problem}" in capsys.readouterr().out
+
+
+def test_a_checkpoint_from_before_checksums_is_accepted_with_a_warning(run, capsys):
+    step_path = checkpoint.step_dir(run, 2)
+    os.remove(os.path.join(step_path, checkpoint.CHECKSUMS))
+    assert checkpoint.problem_with(step_path) == "checksums.json is missing"  # this save promised one
+    state_file = os.path.join(step_path, "trainer_state.json")
+    state = json.load(open(state_file))
+    del state["checksums"]
+    json.dump(state, open(state_file, "w"))
+    assert checkpoint.problem_with(step_path) is None
+    assert f"{step_path}: no checksums.json (saved before checkpoints had checksums)" in capsys.readouterr().out
+    shard, offset = tensor_bytes(step_path, "model.model.embed_tokens.weight")
+    flip(shard, offset)  # its records' CRC-32s still catch a flipped byte
+    assert checkpoint.problem_with(step_path).endswith("does not match its CRC-32")
+
+
+# ----------------------------------------------------------------------------------------------
+# What is never saved, and saves that fail
+
+
+def messages(saved):
+    return [json.load(open(saved / f"messages_rank{r}.json")) for r in (0, 1)]
+
+
+def test_inf_in_one_ranks_shard_is_refused_on_every_rank_and_nothing_is_written(saved):
+    # before: the save wrote the inf into global_step_4, and save_hf into a model that loaded
+    for m in messages(saved):
+        assert m["save"].startswith(
+            f"not saving {checkpoint.step_dir(saved / 'nonfinite', 4)}: model.model.norm.weight holds inf or NaN values"
+        )
+        assert "Nothing was written" in m["save"] and "smaller --lr" in m["save"]
+        assert m["save_hf"].startswith(f"not saving {saved / 'nonfinite_model'}: model.norm.weight holds inf or NaN")
+    assert not os.path.exists(saved / "nonfinite")  # not even its directory
+    assert not [d for d in os.listdir(saved) if d.startswith("nonfinite_model")]
+
+
+def test_write_hf_refuses_a_nan(saved, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(saved / "model", dtype=torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
+    with pytest.raises(checkpoint.NonFiniteError, match=r"model.layers.1.mlp.up_proj.weight holds inf or NaN"):
+        checkpoint.write_hf(state, model.config, model.generation_config, None, str(tmp_path / "model"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_onto_a_full_disk_names_the_file_and_the_previous_checkpoint_stays(saved):
+    # before: the error was torch's "[enforce fail at inline_container.cc:672] unexpected pos" or a
+    # bare "[Errno 28]", with the checkpoint's .tmp left behind
+    full = saved / "devfull"
+    tracker = os.path.join(full, checkpoint.TRACKER)
+    for m in messages(saved):
+        assert m["devfull"].startswith(
+            f"saving {checkpoint.step_dir(full, 2)}: writing {tracker}.tmp failed: no space left on device"
+        )
+        assert "Free some space on that disk" in m["devfull"] and "run the same command again" in m["devfull"]
+        assert f"(this save's unfinished {checkpoint.step_dir(full, 2)}.tmp is removed)" in m["devfull"]
+    assert sorted(os.listdir(full)) == ["global_step_1", checkpoint.TRACKER, checkpoint.TRACKER + ".tmp"]
+    assert open(tracker).read() == "1" and checkpoint.find_checkpoint(str(full), "auto") == checkpoint.step_dir(full, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A full disk, for real: a small tmpfs in a mount namespace of its own (skipped where none can be made)
+
+FILL_THE_DISK = textwrap.dedent(
+    """
+    import json, os, shutil, subprocess, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import checkpoint, policy
+
+    model_dir, disk, results = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    tokenizer, config = AutoTokenizer.from_pretrained(model_dir), {"model": model_dir}
+    run = os.path.join(disk, "run")
+    saver = checkpoint.Checkpointer(run)
+    saver.save(1, model, optimizer, {"config": config}, tokenizer)
+    background = checkpoint.Checkpointer(os.path.join(disk, "async"), async_save=True)
+    filler = os.path.join(disk, "filler")
+    if rank == 0:  # leave 250 kB: room for a checkpoint's JSON files (110 kB), not its shards or a model
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(disk).free - 250_000)
+    dist.barrier()
+    out = {}
+    for name, write in (
+        ("save", lambda: saver.save(2, model, optimizer, {"config": config}, tokenizer)),
+        ("save_hf", lambda: policy.save_hf(model, tokenizer, os.path.join(disk, "final_model"), rank, step=1)),
+        ("async", lambda: background.save(2, model, optimizer, {"config": config}, tokenizer)),
+        ("async_wait", lambda: background.wait()),  # a background save fails when it is completed
+    ):
+        try:
+            write()
+        except checkpoint.WriteError as e:
+            out[name] = str(e)
+    if rank == 0:
+        cmd = [sys.executable, "checkpoint.py", "export", checkpoint.step_dir(run, 1), os.path.join(disk, "exported")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        out["export"] = [proc.returncode, proc.stderr]
+        tracker = open(os.path.join(run, checkpoint.TRACKER)).read()
+        out["listing"] = [sorted(os.listdir(disk)), sorted(os.listdir(run)), tracker]
+        out["resume"] = checkpoint.find_checkpoint(run, "auto")
+        os.remove(filler)  # space again: the same save works
+    dist.barrier()
+    saver.save(2, model, optimizer, {"config": config}, tokenizer)
+    policy.save_hf(model, tokenizer, os.path.join(disk, "final_model"), rank, step=2)
+    out["after"] = [sorted(os.listdir(disk)), checkpoint.problem_with(checkpoint.step_dir(run, 2))]
+    with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def small_disk_command(mount_point, size):
+    """A command prefix that runs what follows with a `size` tmpfs at mount_point, in a mount namespace
+    of its own (it disappears with the command), or None where this machine cannot make one."""
+    if shutil.which("unshare") is None:
+        return None
+    prefix = ["unshare", "--mount", "--map-root-user"] if os.geteuid() != 0 else ["unshare", "--mount"]
+    probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {mount_point}"])
+    if probe.returncode != 0:
+        return None
+    return [*prefix, "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs {mount_point} && exec "$@"', "sh"]
+
+
+@pytest.mark.slow
+def test_saves_and_exports_onto_a_really_full_disk_say_so_and_leave_nothing_half_written(saved, tmp_path):
+    disk, results = tmp_path / "disk", tmp_path / "results"
+    disk.mkdir()
+    results.mkdir()
+    prefix = small_disk_command(disk, "8m")
+    if prefix is None:
+        pytest.skip("cannot mount a tmpfs in a mount namespace here (unshare or mount refused)")
+    (tmp_path / "fill.py").write_text(FILL_THE_DISK)
+    cmd = [
+        *prefix,
+        sys.executable,
+        *"-m torch.distributed.run --standalone --nproc_per_node=2".split(),
+        str(tmp_path / "fill.py"),
+        str(saved / "model"),
+        str(disk),
+        str(results),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO)
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = [json.load(open(results / f"rank{r}.json")) for r in (0, 1)]
+    run = disk / "run"
+    for o in out:  # every rank says what happened, where, and what to do
+        # torch's zip writer says only "unexpected pos" here
+        shards = os.path.join(checkpoint.step_dir(run, 2) + ".tmp", "shards")
+        assert o["save"].startswith(f"saving {checkpoint.step_dir(run, 2)}: writing {shards} failed")
+        assert "failed: no space left on device" in o["save"] and "Free some space" in o["save"]
+        assert f"resumes from the newest complete checkpoint in {run}" in o["save"]
+        assert o["save_hf"].startswith(f"writing the model {disk / 'final_model'}: writing {disk / 'final_model'}.tmp")
+        assert "failed: no space left on device" in o["save_hf"] and "python checkpoint.py export" in o["save_hf"]
+        assert "async" not in o, o["async"]  # the background save fails in the background...
+        shards = os.path.join(checkpoint.step_dir(disk / "async", 2) + ".tmp", "shards")
+        assert o["async_wait"].startswith(f"saving {checkpoint.step_dir(disk / 'async', 2)}: writing {shards} failed")
+        assert "no space left on device" in o["async_wait"]  # ...and says so when it is completed
+    rc, stderr = out[0]["export"]
+    last = stderr.strip().splitlines()[-1]  # after transformers' progress bars
+    assert rc == 1 and last.startswith(f"writing the model {disk / 'exported'}: writing {disk / 'exported'}.tmp")
+    assert "no space left on device" in last and "Traceback" not in stderr
+    # nothing half-written is left, and step 1 is still the checkpoint to resume from
+    assert out[0]["listing"] == [["async", "filler", "run"], ["global_step_1", checkpoint.TRACKER], "1"]
+    assert out[0]["resume"] == checkpoint.step_dir(str(run), 1)
+    assert out[0]["after"] == [["async", "final_model", "run"], None]
+
+
+# ----------------------------------------------------------------------------------------------
+# A final model is complete, or a finished run can tell it is not
+
+
+KILL_DURING_EXPORT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import checkpoint
+
+    class KilledWhileWriting:  # the weights are written; the process dies writing the tokenizer
+        def save_pretrained(self, path):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    from transformers import AutoConfig, GenerationConfig
+    from safetensors.torch import load_file
+
+    model_dir, out = sys.argv[1], sys.argv[2]
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    config, generation = AutoConfig.from_pretrained(model_dir), GenerationConfig.from_pretrained(model_dir)
+    checkpoint.write_hf(state, config, generation, KilledWhileWriting(), out, step=2)
+    """
+)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # export() runs dcp in this one process
+def test_a_kill_during_the_final_export_is_told_and_repaired(saved, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved / "run", run)
+    newest = checkpoint.step_dir(str(run), 2)
+    assert checkpoint.final_model_problem(str(run), newest) == f"{run / 'final_model'} is missing"
+    (tmp_path / "kill.py").write_text(KILL_DURING_EXPORT)
+    for attempt in range(2):  # killed with no final model, then with an older one in place
+        cmd = [sys.executable, str(tmp_path / "kill.py"), str(saved / "model"), str(run / "final_model")]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+        assert proc.returncode == -9, proc.stderr[-3000:]
+        assert os.path.isdir(run / "final_model.tmp") and os.path.isfile(run / "final_model.tmp" / "model.safetensors")
+        assert checkpoint.final_model_problem(str(run), newest) == (
+            f"{run / 'final_model'}.tmp is a final model whose writing was interrupted"
+        )
+        if attempt == 0:
+            assert not os.path.exists(run / "final_model")
+            checkpoint.export(checkpoint.step_dir(str(run), 1), str(run / "final_model"))  # an earlier end of the run
+            assert checkpoint.final_model_problem(str(run), newest) == (
+                f"{run / 'final_model'} holds step 1, and the newest checkpoint, {newest}, step 2"
+            )
+    checkpoint.export(newest, str(run / "final_model"))  # what a finished run does about it
+    assert checkpoint.final_model_problem(str(run), newest) is None
+    assert sorted(d for d in os.listdir(run) if d.startswith("final_model")) == ["final_model"]
+    assert json.load(open(run / "final_model" / checkpoint.MODEL_STEP)) == {"step": 2}
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA: a checkpoint continues only with the rank and target modules it was saved with
+
+
+def test_a_lora_checkpoint_of_another_rank_is_refused_before_loading(saved):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint.step_dir(str(saved / "lora"), 1)
+    assert checkpoint.problem_with(path) is None
+    for r, targets in ((16, ["q_proj", "v_proj"]), (8, ["q_proj", "k_proj", "v_proj"])):
+        model = AutoModelForCausalLM.from_pretrained(saved / "model", dtype=torch.float32)
+        model = get_peft_model(model, LoraConfig(r=r, lora_alpha=16, target_modules=targets))
+        tensors = {"model": {n: p for n, p in model.named_parameters() if p.requires_grad}}
+        with pytest.raises(SystemExit) as error:
+            checkpoint.check_shapes(path, tensors, model)
+        message = str(error.value)
+        assert message.startswith(f"{path} does not fit this model: ")
+        assert (
+            f"It holds LoRA adapters of rank 8 on ['q_proj', 'v_proj'], and this run makes rank {r} on {sorted(targets)}"
+            in message
+        )
+        assert "resume with --lora-rank 8 and the same --lora-target-modules" in message
+        if r == 16:
+            assert (
+                "tensors differ in shape, e.g. model.base_model.model.model.layers.0.self_attn.q_proj.lora_A" in message
+            )
+        else:
+            assert (
+                "it lacks 4 of this run's tensors, e.g. model.base_model.model.model.layers.0.self_attn.k_proj"
+                in message
+            )
+
+
+@pytest.mark.parametrize("flag, then, now", [("lora_rank", 8, 16), ("lora_target_modules", "all-linear", "q_proj")])
+def test_check_run_dir_refuses_other_lora_shapes_even_when_allowed(run, tmp_path, flag, then, now):
+    step_path = checkpoint.step_dir(str(run), 2)
+    state_file = os.path.join(step_path, "trainer_state.json")
+    state = json.load(open(state_file))
+    saved_config = dict(state["config"], lora_rank=8, lora_target_modules="all-linear")
+    json.dump(dict(state, config=saved_config), open(state_file, "w"))
+    reseal(step_path)
+    config = dict(saved_config, **{flag: now})
+    for out_dir, resume in ((str(run), "auto"), (str(tmp_path / "new_run"), step_path)):
+        with pytest.raises(SystemExit) as error:
+            checkpoint.check_run_dir(out_dir, resume, config, allow_changed={flag})
+        message = str(error.value)
+        assert message.startswith(f"{step_path} cannot continue with other LoRA shapes:")
+        assert f"--{flag.replace('_', '-')}: {then!r} there, {now!r} now" in message
+        assert "not even --allow-changed" in message and f"--{flag.replace('_', '-')} {then}" in message
+    assert checkpoint.check_run_dir(str(run), "auto", saved_config) == step_path  # the same shapes continue
+
+
+# ----------------------------------------------------------------------------------------------
+# Export runs no code from the checkpoint
+
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+from transformers import LlamaConfig
+class EvilConfig(LlamaConfig):
+    model_type = "evil"
+"""
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json"])
+def test_export_refuses_a_config_that_names_code_even_when_told_yes(run, tmp_path, file):
+    # before: AutoConfig.from_pretrained asked "Do you wish to run the custom code? [y/N]", and ran it on "y"
+    step_path = checkpoint.step_dir(str(run), 2)
+    marker, hf = tmp_path / "ran", os.path.join(step_path, "hf")
+    with open(os.path.join(hf, "evil.py"), "w") as f:
+        f.write(EVIL.format(marker=str(marker)))
+    config = json.load(open(os.path.join(hf, file)))
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": ["evil.EvilConfig", None]}
+    if file == "config.json":
+        config["model_type"] = "evil"
+    json.dump(config, open(os.path.join(hf, file), "w"))
+    reseal(step_path)  # so that only the code check stands in the way
+    assert checkpoint.problem_with(step_path) is None
+    cmd = [sys.executable, "checkpoint.py", "export", step_path, str(tmp_path / "exported")]
+    proc = subprocess.run(cmd, cwd=REPO, input="y\ny\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and not os.path.exists(marker)
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"{os.path.join(hf, file)} names custom code to run (auto_map: ")
+    )
+    assert "never runs code from a model or checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "exported")
