@@ -462,6 +462,17 @@ def reward_weights(args):
     return weights if weights and all(math.isfinite(w) for w in weights) else None
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors are also torchrun's root cause (distributed.record_root_cause): the
+    last line torchrun prints about a failed rank is then the error, not a pointer to its docs."""
+
+    def error(self, message):
+        from distributed import record_root_cause
+
+        record_root_cause(f"{self.prog}: error: {message}")
+        super().error(message)
+
+
 class Append(argparse.Action):
     """A flag that may be repeated: its values are joined with commas into one string field."""
 
@@ -484,7 +495,7 @@ def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # no abbreviations: --max-st 5 would otherwise be --max-steps 5, then lost to the demo's max_steps.
     # A short usage line, so that an error is not buried under fifty flags.
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         usage="%(prog)s [--flag value ...]   (--help lists every flag)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

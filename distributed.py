@@ -5,8 +5,12 @@ backend). `python train_grpo.py` without torchrun is a world of one. Collectives
 explicitly: nccl reduces CUDA tensors, gloo CPU ones.
 """
 
+import datetime
+import json
 import math
 import os
+import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,8 +22,10 @@ def full_tensor(x):
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def init_distributed():
-    """Join the process group; returns (rank, world size, this rank's device)."""
+def init_distributed(timeout=600.0):
+    """Join the process group; returns (rank, world size, this rank's device). A collective that
+    waits more than `timeout` seconds for another rank raises (is_peer_failure) instead of waiting
+    for torch's default of 30 minutes: a rank that died or stopped must not hang the others silently."""
     if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one
         port = str(29500 + os.getpid() % 1000)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -28,8 +34,70 @@ def init_distributed():
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     return rank, world, device
+
+
+def is_peer_failure(error):
+    """Whether an exception from a collective means another rank is gone or stuck: gloo's and
+    nccl's timeouts, and a peer's closed connection."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text
+        for s in (
+            "Timed out",
+            "timed out",
+            "Application timeout caused pair closure",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Watchdog",
+        )
+    )
+
+
+def record_root_cause(message):
+    """Under torchrun, make `message` what torchrun prints last as this rank's failure (its error
+    file, the one torch.distributed.elastic's @record writes for an exception). Without it a clear
+    one-line error is followed by torchrun's own 40-line traceback and a summary that says only
+    "exitcode: 1". The first failure recorded wins."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+
+
+# ----------------------------------------------------------------------------------------------
+# A polite stop: SIGTERM (Slurm, Kubernetes, torchrun passing one on) and SIGINT (Ctrl-C)
+
+_stop = {"signal": None}
+
+
+def catch_stop_signals():
+    """From now on SIGTERM and SIGINT only ask the run to stop (stop_requested): the trainer then
+    saves a checkpoint at the next step boundary and exits, instead of dying mid-step and losing every
+    step since the last save. A second signal is the same request; SIGKILL still kills at once."""
+
+    def ask(signum, frame):
+        if _stop["signal"] is None:
+            print(
+                f"rank {os.environ.get('RANK', 0)}: {signal.Signals(signum).name}: stopping at the next step boundary",
+                flush=True,
+            )
+        _stop["signal"] = signum
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, ask)
+
+
+def stop_requested(device):
+    """The signal that asked some rank to stop (signal.Signals), or None: a collective, so that every
+    rank stops at the same step even when the signal reached only one of them."""
+    asked = torch.tensor(float(_stop["signal"] or 0), device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(asked.item())) if asked.item() else None
 
 
 def print0(*a, **kw):

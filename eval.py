@@ -133,13 +133,17 @@ def validate(
     rank=0,
     world=1,
     keep=20,
+    errors="raise",
+    where="validation",
 ):
     """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
     `engine`, score them, and compute verl's validation metrics over every rank's samples.
 
     Each rank takes its contiguous share of `rows`; each prompt's seed comes from its place in the
     whole list (rollout.sampling_seeds), so 1 and 2 ranks draw the same samples. Returns (metrics,
-    the first `keep` of this rank's samples as {prompt, response, ground_truth, score})."""
+    the first `keep` of this rank's samples as {prompt, response, ground_truth, score}).
+    errors and where go to reward.score_rows (--reward-errors; "validation at step 2" for its messages);
+    with errors="skip", val-aux/reward/errors counts the samples of all ranks that scored 0 for a reward error."""
     from distributed import all_gather
     from reward import response_text, score_rows
     from rollout import VALIDATION_STEP, sampling_seeds
@@ -159,13 +163,16 @@ def validate(
     )
     samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
     texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-    scores, extras = score_rows(reward_fn, samples, texts, first=first * n)
+    scores, extras = score_rows(reward_fn, samples, texts, first=first * n, errors=errors, where=where)
     # every rank gets every score (they are small), so every rank computes the same metrics
     local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
+    local["errors"] = sum(extras.get("reward_error", []))
     parts = all_gather(local) if world > 1 else [local]
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
     sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
     metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
+    if errors == "skip":
+        metrics["val-aux/reward/errors"] = sum(p["errors"] for p in parts)
     return metrics, sample_records(tokenizer, samples[:keep], texts, scores)
 
 
@@ -276,7 +283,7 @@ def main(argv=None):
 
     import data_prep
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
-    from rollout import check_model_path, make_engine, stop_token_ids
+    from rollout import check_model_path, context_length, make_engine, stop_token_ids
     from run_log import free_memory_gib
 
     distributed = "RANK" in os.environ
@@ -289,7 +296,7 @@ def main(argv=None):
     except (OSError, ValueError) as err:
         raise SystemExit(f"--model: {err}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)  # see check_model_path
     except OSError as err:  # not a local directory, so transformers took it for a hub id
         raise SystemExit(
             f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})"
@@ -303,10 +310,14 @@ def main(argv=None):
     if args.max_prompts > 0:
         rows = rows[: args.max_prompts]
     max_len = max(len(r["prompt_ids"]) for r in rows) + args.max_new_tokens
-    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    limit, source = context_length(args.model)  # a local directory's, by vLLM's rule
+    if limit is None and not os.path.isdir(args.model):  # a hub id: its downloaded config's
+        config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)
+        limit, source = getattr(config, "max_position_embeddings", None), "max_position_embeddings"
     if limit and max_len > limit:  # responses stop at the model's context length instead
         print(
-            f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, so responses stop there"
+            f"the longest prompt + --max-new-tokens is {max_len} tokens; the model has {limit} positions, "
+            f"so responses stop there ({source})"
         )
         max_len = limit
     engine = make_engine(

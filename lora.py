@@ -38,14 +38,38 @@ def add_adapters(model, rank, alpha, target_modules, dropout):
 
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     try:
         model = get_peft_model(model, config)
     except ValueError as e:  # e.g. a target that names no module of this model
         raise SystemExit(f"--lora-target-modules {target_modules}: {e}") from None
+    if tied and any(layer.get_base_layer() is head for layer in lora_layers(model).values()):
+        # the head's delta would untie it from the embedding: the engine (loaded tied) never sees it,
+        # and an exported model, tied again, is the base model
+        raise SystemExit(f"--lora-target-modules {target_modules}: {TIED_HEAD}")
     kinds = {type(m).__name__ for m in lora_layers(model).values() if not isinstance(m, Linear)}
     if kinds:  # merged_parameters knows the linear layer's delta only
         raise SystemExit(f"--lora-target-modules {target_modules}: LoRA here supports linear layers only, not {kinds}")
     return model
+
+
+TIED_HEAD = (
+    "this model ties its LM head to the input embeddings (tie_word_embeddings), and an adapter on the head "
+    "alone cannot be synced to the engine or exported. Leave the head out (all-linear does), or train it with "
+    "full fine-tuning (no --lora-rank)."
+)
+
+
+def check_targets(model_path, target_modules):
+    """Before anything loads: refuse an adapter on the LM head of a model whose head is its input
+    embedding (add_adapters checks the loaded model too, whatever the head's name)."""
+    from transformers import AutoConfig
+
+    targets = {t.strip() for t in target_modules.split(",")}
+    tied = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=False), "tie_word_embeddings", False)
+    if tied and "lm_head" in targets:
+        raise SystemExit(f"--lora-target-modules {target_modules}: {TIED_HEAD}")
 
 
 def is_lora(model):
@@ -94,33 +118,39 @@ def merged_parameters(model, dtype):
 
 def save_adapter(model, out_dir, rank):
     """Write the adapters in PEFT's format (adapter_config.json, adapter_model.safetensors), so that
-    PeftModel.from_pretrained(base, out_dir) loads them. Every rank takes part; rank 0 writes."""
-    import torch.distributed as dist
+    PeftModel.from_pretrained(base, out_dir) loads them. Every rank takes part; rank 0 writes. Like
+    policy.save_hf, weights that are not finite, and a write that fails, raise on every rank."""
+    import checkpoint  # here: checkpoint imports lora
 
+    adapters = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    checkpoint.check_finite(adapters, out_dir, "Resume from a checkpoint before the divergence with a smaller --lr.")
     state = {}
-    for name, param in model.named_parameters():
-        if ".lora_" in name:  # PEFT's files name the tensors without the adapter's name
-            state[name.replace(f".{ADAPTER}.", ".")] = full_tensor(param).detach().cpu().contiguous()
+    for name, param in adapters:  # PEFT's files name the tensors without the adapter's name
+        state[name.replace(f".{ADAPTER}.", ".")] = full_tensor(param).detach().cpu().contiguous()
+    error = None
     if rank == 0:
-        write_adapter(state, model.peft_config[ADAPTER], out_dir)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            write_adapter(state, model.peft_config[ADAPTER], out_dir)
+        except Exception as e:  # told to every rank, which would otherwise wait for rank 0
+            error = checkpoint.write_error(
+                e, out_dir + ".tmp", f"writing the adapter {out_dir}", "run the same command again"
+            )
+    failure = checkpoint.first_failure(error)  # and a barrier
+    if failure is not None:
+        raise failure
 
 
 def write_adapter(state, peft_config, out_dir):
     """Adapter tensors (PEFT's names) and their LoraConfig -> a PEFT adapter directory, written to
-    out_dir.tmp and renamed when complete."""
-    import shutil
-
+    out_dir.tmp and put in out_dir's place when complete (checkpoint.publish_dir)."""
     from safetensors.torch import save_file
 
-    out_dir = os.path.normpath(out_dir)
-    tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    import checkpoint  # here: checkpoint imports lora
+
+    tmp = checkpoint.prepare_dir(out_dir)
     peft_config.save_pretrained(tmp)
     save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+    checkpoint.publish_dir(tmp, out_dir)
 
 
 @torch.no_grad()

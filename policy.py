@@ -228,9 +228,11 @@ def activation_gib_per_token(model, device, length=1024):
 
 
 def load_model(path, dtype, device):
+    """The causal LM in `path` on `device`. Never runs Python code from the model directory
+    (trust_remote_code=False): rollout.check_model_path refuses a directory that needs it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     return model.to(device)
 
 
@@ -261,18 +263,30 @@ def full_parameters(model, dtype):
         yield name, full_tensor(param).detach().to(dtype)
 
 
-def save_hf(model, tokenizer, out_dir, rank):
+def save_hf(model, tokenizer, out_dir, rank, step=None):
     """Gather the full state dict to rank 0's CPU and write it in Hugging Face format (with LoRA,
-    the base with the adapters merged in: no PEFT needed to load it)."""
+    the base with the adapters merged in: no PEFT needed to load it), with `step` in grpo_step.json
+    (checkpoint.final_model_problem reads it). A collective, and so are its failures: weights that
+    hold inf or NaN raise checkpoint.NonFiniteError on every rank before anything is gathered (each
+    rank checks its own shards), and a write that fails on rank 0 (checkpoint.write_hf: the path;
+    "no space left on device" when the disk is full) raises checkpoint.WriteError on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    todo = "Resume from a checkpoint before the divergence with a smaller --lr."
+    checkpoint.check_finite(model.named_parameters(), out_dir, todo)
     if lora.is_lora(model):
         state = {name: t.cpu() for name, t in full_parameters(model, torch.float32) if rank == 0}
     else:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = None
     if rank == 0:
-        checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir)
-    dist.barrier()
+        try:
+            checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir, step)
+        except Exception as e:  # told to every rank, which would otherwise wait for rank 0 forever
+            error = e
+    failure = checkpoint.first_failure(error)  # and a barrier
+    if failure is not None:
+        raise failure
 
 
 def load_policy(path, mesh, device, grad_checkpointing=False, reference=False, lora_args=None):
@@ -303,3 +317,37 @@ def sync_weights(engine, policy, dtype):
     engine.wake_up()
     engine.update_weights(full_parameters(policy, dtype))
     engine.sleep()
+
+
+@torch.no_grad()
+def update_may_overflow(optimizer):
+    """Whether optimizer.step() could make a weight non-finite, decided before the step, for torch's
+    AdamW (decoupled weight decay), whose update of each weight p with gradient g is
+
+        p' = p (1 - lr wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps),
+        m' = beta1 m + (1 - beta1) g,   v' = beta2 v + (1 - beta2) g^2.
+
+    |m'| <= max(|m|, |g|) and the denominator is >= eps, so |p'| <= max|p| |1 - lr wd| +
+    lr / (1 - beta1^t) * max(|m|, |g|) / eps. If that bound is finite every new weight is; it reaches
+    float32's range only for absurd learning rates (1e29 at eps 1e-8 and clipped gradients) or
+    weights already near overflow. An optimizer without betas (SGD, in tests) is bounded as plain
+    gradient descent, |p'| <= max|p| |1 - lr wd| + lr max|g|. A collective: every rank gets the same answer."""
+    zero = bound = torch.zeros((), dtype=torch.float64)
+    for group in optimizer.param_groups:
+        lr, wd = group["lr"], group.get("weight_decay", 0.0)
+        beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            t = float(state.get("step", 0)) + 1
+            local = [x.to_local() if hasattr(x, "to_local") else x for x in (p, p.grad, state.get("exp_avg"))]
+            biggest = [x.detach().abs().max().double().cpu() if x is not None and x.numel() else zero for x in local]
+            step_bound = (
+                biggest[0] * abs(1 - lr * wd) + lr / (1 - beta1**t) * torch.maximum(biggest[1], biggest[2]) / eps
+            )
+            bound = torch.maximum(bound, step_bound)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        bound = bound.to(optimizer.param_groups[0]["params"][0].device)
+        dist.all_reduce(bound, op=dist.ReduceOp.MAX)
+    return not bool(bound.item() < torch.finfo(torch.float32).max)

@@ -33,8 +33,10 @@ import os
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import dataclasses
+import json
 import math
 import random
+import sys
 import textwrap
 import time
 from functools import partial
@@ -50,7 +52,19 @@ import lora
 import reward_model
 from advantage import compute_advantages
 from config import DEMO_OVERRIDES, allowed_changes, loggers, parse_args, reward_specs, reward_weights
-from distributed import all_gather, all_sum, all_sum_tensor, full_tensor, init_distributed, print0, reduce_metrics
+from distributed import (
+    all_gather,
+    all_sum,
+    all_sum_tensor,
+    catch_stop_signals,
+    full_tensor,
+    init_distributed,
+    is_peer_failure,
+    print0,
+    record_root_cause,
+    reduce_metrics,
+    stop_requested,
+)
 from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, kl_penalty, policy_loss
 from policy import (
@@ -63,6 +77,7 @@ from policy import (
     response_logprobs,
     save_hf,
     sync_weights,
+    update_may_overflow,
     window,
 )
 from reward import BUILTIN_SOURCES, compute_score, load_reward_fns, overlong_penalty, response_text, score_rows
@@ -217,16 +232,11 @@ def lr_factor(step, args, total_steps):
 
 def resume(path, args, policy, optimizer, scheduler, total_steps, base_fingerprint=None):
     """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history). A run that has already finished, or LoRA adapters on another base model, is refused."""
+    history). LoRA adapters on another base model are refused."""
     state = checkpoint.load(path, policy, optimizer, dataclasses.asdict(args))
     lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
     scheduler.load_state_dict(state["scheduler"])
     step, history = state["step"], state["metrics"]
-    if step >= total_steps or should_stop(history, args.early_stop_metric, args.early_stop_patience):
-        raise SystemExit(
-            f"{args.out_dir}: this run has finished (step {step}, {'early-stopped' if step < total_steps else f'of {total_steps}'}). "
-            "Raise --max-steps or --epochs to train it further, or pass a new --out-dir for a new run."
-        )
     if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
         scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
         for group in optimizer.param_groups:
@@ -234,6 +244,42 @@ def resume(path, args, policy, optimizer, scheduler, total_steps, base_fingerpri
             group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
     return step, history
+
+
+def end_a_finished_run(path, args, total_steps, rank):
+    """Before the engine loads: if the checkpoint at `path` ends the run (its last step, or an early
+    stop), there is nothing to train, and the process ends here. A finished run whose final model is
+    missing (it was killed while writing it) gets it now, exported from that checkpoint."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
+    step, history = state["step"], state["metrics"]
+    if step < total_steps and not should_stop(history, args.early_stop_metric, args.early_stop_patience):
+        return
+    how = "early-stopped" if step < total_steps else f"of {total_steps}"
+    problem = checkpoint.final_model_problem(args.out_dir, path) if args.save_model else None
+    if problem is None:
+        raise SystemExit(
+            f"{args.out_dir}: this run has finished (step {step}, {how}). "
+            "Raise --max-steps or --epochs to train it further, or pass a new --out-dir for a new run."
+        )
+    print0(f"{args.out_dir}: this run finished (step {step}, {how}), but {problem}; exporting it from {path}")
+    if rank == 0:  # one process reads the whole checkpoint, whatever number of ranks wrote it
+        adapter = os.path.join(args.out_dir, "final_adapter") if args.lora_rank else None
+        checkpoint.export(path, os.path.join(args.out_dir, "final_model"), base=args.model, adapter_dir=adapter)
+        report, verdicts = health.write_report(args.out_dir)
+        print0(f"health report: {report}: {verdicts['overall']}")
+    dist.barrier()
+    raise SystemExit(0)
+
+
+def save_checkpoint(
+    checkpointer, step, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer
+):
+    """Everything needed to continue this run exactly from after `step` (checkpoint.Checkpointer)."""
+    epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
+    trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
+    trainer_state["base_fingerprint"] = fingerprint
+    checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,13 +299,14 @@ def step_prompts(train_rows, step, batch, args, rank, world):
     return order[first : first + local], rank * local
 
 
-def score_samples(reward, samples, texts, out, first, args, device):
+def score_samples(reward, samples, texts, out, first, args, device, where=""):
     """The rewards of one generation batch on this rank: the reward functions (which also see each
     response's token ids and whether it was cut off), plus the reward model's score (--reward-model),
-    plus DAPO's overlong punishment. `reward` is (reward function, (reward model, its tokenizer) or None).
+    plus DAPO's overlong punishment. `reward` is (reward function, (reward model, its tokenizer) or None);
+    reward errors name the sample as "{where}, sample {first + i} of the batch" (reward.score_rows).
     Returns (scores, extras: the logged parts, one value per sample)."""
     reward_fn, rm = reward
-    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors)
+    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors, where=where)
     scores, extras = score_rows(reward_fn, samples, texts, first=first, **kw)
     if rm is not None:  # reward = rule + w x model, or w x model alone
         extras["rule"] = scores
@@ -296,8 +343,9 @@ def collect_groups(engine, train_rows, step, args, rank, world, tokenizer, rewar
         with timed(timing, "reward"):
             samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
             texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-            place = (step * args.prompt_batch_size + first) * n  # for error messages: the sample's place in the batch
-            scores, extras = score_samples(reward, samples, texts, out, place, args, device)
+            place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
+            where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
+            scores, extras = score_samples(reward, samples, texts, out, place, args, device, where)
         if not args.filter_groups:
             return rows, out, texts, scores, extras, {}
         # every rank's samples, as columns in global order, added to those of earlier batches
@@ -324,6 +372,7 @@ def run_validation(step, engine, val_rows, tokenizer, reward_fn, eos_ids, args, 
     """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
     engine.wake_up()
     kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
+    kw.update(errors=args.reward_errors, where=f"validation at step {step}")
     metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
     engine.sleep()
     log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
@@ -340,7 +389,7 @@ def keep_best(history, args, policy, tokenizer, rank):
         names = sorted(k for k in history[-1] if k.startswith("val-"))
         raise SystemExit(f"--early-stop-metric {args.early_stop_metric}: no such validation metric; there are {names}")
     if is_best(history, args.early_stop_metric):
-        save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank)
+        save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank, step=history[-1]["step"])
 
 
 def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_logp, agg, args, device):
@@ -399,11 +448,16 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
                 stats.append(terms)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             grad_norm = full_tensor(grad_norm).item()
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
+            if not math.isfinite(grad_norm):
                 skipped += 1
                 print0(f"step {step}: gradient norm is {grad_norm}; skipping this optimizer step")
+            elif update_may_overflow(optimizer):  # a non-finite weight is never written, saved or synced
+                skipped += 1
+                print0(
+                    f"step {step}: this update could make weights non-finite (lr {optimizer.param_groups[0]['lr']:.3g}); skipping it"
+                )
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stats[-1]["grad_norm"] = grad_norm
     return stats, trainer_logp, skipped
@@ -418,7 +472,7 @@ def main():
         from transformers.utils.logging import disable_progress_bar
 
         disable_progress_bar()
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(args.collective_timeout)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -435,23 +489,39 @@ def main():
         check_model_path(args.model)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--model: {e}") from None
+    from rollout import check_context_length
+
+    try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
+        check_context_length(args.model, args.max_prompt_length, args.max_response_length)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.lora_rank:
+        lora.check_targets(args.model, args.lora_target_modules)
+    if args.reward_model:  # its directory is checked like the policy's, before anything loads
+        reward_model.check_reward_model(args.reward_model)
     config = dataclasses.asdict(args)
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     except OSError as e:
         raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(stop_token_ids(args.model))
     train_rows, val_rows = load_data(args, tokenizer)
-    reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
+    total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
+    total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
+    if resume_from:  # a finished run ends here, before the engine loads
+        end_a_finished_run(resume_from, args, total_steps, rank)
+    specs, timeout = reward_specs(args), args.reward_timeout  # --reward-fn runs in a worker process (reward.py)
+    reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine, engine_dtype = start_engine(args, world, ranks_here, device)
     kv = getattr(engine, "kv_cache_tokens", None)
     print0(f"rollout engine: {type(engine).__name__}" + (f", KV cache of {kv:,} tokens" if kv else ""))
+    catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
@@ -463,8 +533,6 @@ def main():
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     check_update_memory(args, policy, trained, world, ranks_here, device, getattr(engine, "kv_cache_gib", None))
     optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
-    total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
-    total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
@@ -486,15 +554,23 @@ def main():
 
     # ---------------- the loop
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size == args.prompt_batch_size
-    stop = False
+    optimizer_steps = args.ppo_epochs * (args.prompt_batch_size // args.mini_batch_size)  # per training step
+    stop, done, saved, skipped_steps, asked = False, start_step, start_step, 0, stop_requested(device)
     for step in range(start_step + 1, total_steps + 1):
+        if asked:  # SIGTERM or SIGINT: the steps done so far are saved after the loop
+            break
         timing, t_step = {}, time.perf_counter()
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
+        rng_before = checkpoint.rng_state()  # what a checkpoint of step - 1 holds, if this step is abandoned
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ)
         groups = collect_groups(engine, train_rows, step, args, rank, world, tokenizer, reward, eos_ids, timing, device)
         rows, out, texts, scores, extras, filter_metrics = groups
         checkpoint.crash_point("rollout", step)
+        asked = stop_requested(device)
+        if asked:  # the update has not started: abandon this step, as if it had never begun
+            checkpoint.set_rng_state(rng_before)
+            break
         samples = [r for r in rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
         # ---- advantages: each prompt's group lives on one rank (REINFORCE++ whitens over all ranks' tokens)
@@ -523,6 +599,7 @@ def main():
             stats, trainer_logp, skipped = update_policy(*update)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
+        skipped_steps = skipped_steps + 1 if skipped == optimizer_steps else 0
 
         # ---- copy the new weights into the engine
         with timed(timing, "update_weights"):
@@ -562,27 +639,55 @@ def main():
 
         # ---- checkpoint: everything needed to continue this run exactly
         stop = should_stop(log.history, args.early_stop_metric, args.early_stop_patience)
+        if skipped_steps == MAX_SKIPPED_STEPS:  # nothing has changed since; the checkpoints hold finite weights
+            raise SystemExit(
+                f"steps {step - MAX_SKIPPED_STEPS + 1}-{step}: every update was skipped (a non-finite gradient, or an "
+                f"update that would make weights non-finite): training has diverged. Lower --lr (now {args.lr:g}); "
+                "to continue this run from its last checkpoint, rerun with --allow-changed lr."
+            )
+        done, asked = step, stop_requested(device)
         if checkpointer:
             checkpointer.poll()  # publish a finished background save now, not at the next save
-            if step % args.save_freq == 0 or step == total_steps or stop:
-                trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
-                trainer_state["base_fingerprint"] = base_fingerprint
-                checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
+            if step % args.save_freq == 0 or step == total_steps or stop or asked:
+                state = (policy, optimizer, scheduler, config, log, base_fingerprint, tokenizer)
+                save_checkpoint(checkpointer, step, args, train_rows, *state)
+                saved = step
         if stop:
             patience = f"{args.early_stop_patience} validations"
             log.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {patience}")
             break
+    if (
+        asked and done < total_steps and not stop
+    ):  # SIGTERM or SIGINT: keep what was done, say how to go on, exit non-zero
+        if checkpointer and done > saved:
+            state = (policy, optimizer, scheduler, config, log, base_fingerprint, tokenizer)
+            save_checkpoint(checkpointer, done, args, train_rows, *state)
+        if checkpointer:
+            checkpointer.wait()
+            where = f"{checkpoint.step_dir(args.out_dir, done)} holds it" if done else "nothing to save yet"
+            message = f"stopped by {asked.name} after step {done} of {total_steps} ({where}): rerun the same command to continue"
+        else:
+            message = f"stopped by {asked.name} after step {done} of {total_steps}; --save-freq -1 wrote no checkpoint, so a rerun starts over"
+        log.close()
+        if rank == 0 and done > 0:
+            health.write_report(args.out_dir)
+        engine.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        record_root_cause(message)
+        print0(message)
+        sys.exit(128 + asked)  # the shell's convention for "ended by this signal": 143 for SIGTERM
     if checkpointer:
         checkpointer.wait()  # a background save must finish before we exit
 
     # ---------------- save the policy (never the reference) in Hugging Face format; the health report
     log.close()
     if args.save_model:
-        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank)  # with LoRA: merged
-        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
-        if lora_args:
+        if lora_args:  # first: a final_model of this step says that both are complete
             lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
             print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
+        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done)  # with LoRA: merged
+        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
     if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
         path, verdicts = health.write_report(args.out_dir)
         counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
@@ -592,5 +697,27 @@ def main():
         dist.destroy_process_group()
 
 
+MAX_SKIPPED_STEPS = 3  # steps in a row whose every update was skipped: the run has diverged; stop
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # our errors say what to do: under torchrun they are also its summary's last line
+        if isinstance(e.code, str):
+            record_root_cause(e.code)
+        raise
+    except (checkpoint.WriteError, checkpoint.NonFiniteError) as e:  # they name the path and what to do
+        record_root_cause(str(e))
+        raise SystemExit(str(e)) from None
+    except Exception as e:
+        if not is_peer_failure(e):
+            record_root_cause(f"{type(e).__name__}: {e}")
+            raise
+        message = (
+            f"rank {os.environ.get('RANK', 0)}: another rank stopped answering ({e}). It died or is stuck; its own "
+            "output says why. Checkpoints are intact: rerun the same command to resume. If ranks legitimately wait "
+            "longer than this for each other, raise --collective-timeout."
+        )
+        record_root_cause(message)
+        raise SystemExit(message) from None

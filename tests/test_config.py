@@ -99,6 +99,16 @@ BAD = [
     (["--lora-alpha", "0"], "--lora-alpha must be > 0"),
     (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora-target-modules", ","], "--lora-target-modules must name modules, or be all-linear"),
+    # LoRA settings without LoRA were silently ignored
+    (
+        ["--lora-target-modules", "q_proj"],
+        "--lora-target-modules q_proj is a LoRA setting and LoRA is off: add --lora-rank R",
+    ),
+    (["--lora-alpha", "16"], "--lora-alpha 16.0 is a LoRA setting and LoRA is off"),
+    (["--lora-dropout", "0.1"], "--lora-dropout 0.1 is a LoRA setting and LoRA is off"),
+    (["--reward-timeout", "0"], "--reward-timeout must be > 0 seconds"),
+    (["--collective-timeout", "-5"], "--collective-timeout must be > 0 seconds"),
+    (["--loss-scale-factor", "-1"], "--loss-scale-factor must be > 0, or 0 for --max-response-length"),
     (["--reward-fn", "no/such.py:f"], "--reward-fn no/such.py:f: no such file 'no/such.py'"),
     (["--reward-fn", "reward.py", "--reward-fn", "no/such.py"], "--reward-fn no/such.py: no such file"),
     (

@@ -52,6 +52,26 @@ def test_only_the_adapters_train_and_the_lm_head_has_none(tiny):
         peft_model(tiny, targets="no_such_proj")
 
 
+def test_an_adapter_on_a_tied_head_is_refused_and_on_an_untied_head_is_synced(tiny, tmp_path):
+    # tied: the engine never got the head's delta and the export re-tied it away (final_model == the base)
+    with pytest.raises(SystemExit, match="ties its LM head to the input embeddings"):
+        peft_model(tiny, targets="lm_head")
+    with pytest.raises(SystemExit, match="ties its LM head"):
+        peft_model(tiny, targets="q_proj,lm_head")
+    from transformers import AutoModelForCausalLM
+
+    from models import build_random_model
+
+    untied = tmp_path / "untied"
+    build_random_model(str(untied), str(tiny), tie_word_embeddings=False)
+    model = peft_model(untied, targets="lm_head")
+    merged = dict(lora.merged_parameters(model, torch.float32))
+    reference = model.merge_and_unload().state_dict()
+    torch.testing.assert_close(merged["lm_head.weight"], reference["lm_head.weight"], rtol=0, atol=1e-6)
+    base = AutoModelForCausalLM.from_pretrained(untied).lm_head.weight
+    assert not torch.equal(merged["lm_head.weight"], base)  # the delta is there
+
+
 def test_merged_parameters_are_peft_merge_with_the_base_names(tiny):
     """What the engine and final_model get: W + scale * B @ A under the base model's names."""
     from transformers import AutoModelForCausalLM

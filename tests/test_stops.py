@@ -1,0 +1,179 @@
+"""How a run ends when something goes wrong outside the math: a polite kill (SIGTERM, as Slurm and
+Kubernetes send), a rank that stops answering, a diverging policy, a kill during the final export,
+a bad flag under torchrun. Each runs the real train_grpo.py under torchrun with the tiny model.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = "--prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --val-max-prompts 16".split()
+COMPARED = "critic/score/mean actor/pg_loss actor/grad_norm actor/entropy response_length/mean actor/lr".split()
+
+
+def command(out_dir, *flags, ranks=1):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return [*launcher, "train_grpo.py", "--out-dir", str(out_dir), *flags]
+
+
+def run(out_dir, *flags, ranks=1, timeout=600):
+    return subprocess.run(
+        command(out_dir, *flags, ranks=ranks), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def steps_logged(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line)["step"] for line in open(path) if line.endswith("\n")]
+
+
+def start_and_wait_for_step(out_dir, step, *flags, ranks=1):
+    """Start a run in the background; return it once `step` is in its metrics.jsonl."""
+    proc = subprocess.Popen(
+        command(out_dir, *flags, ranks=ranks), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 400
+    while step not in steps_logged(out_dir):
+        assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, "the run did not reach step {step}"
+        time.sleep(0.2)
+    return proc
+
+
+def rows(out_dir):
+    return {r["step"]: r for r in map(json.loads, open(os.path.join(out_dir, "metrics.jsonl")))}
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path):
+    """SIGTERM to torchrun (which passes it to both ranks) mid-run: the ranks finish or abandon the
+    step, save it, write the report, and exit 143 with a message; the same command then continues to
+    exactly the run that was never interrupted. --save-freq 50: without the handler the 3 or more
+    steps done would be lost."""
+    flags = [*SMALL, "--max-steps", "6", "--test-freq", "-1", "--save-freq", "50", "--rollout", "vllm"]
+    proc = start_and_wait_for_step(tmp_path / "stopped", 3, *flags, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    done = max(steps_logged(tmp_path / "stopped"))
+    assert 3 <= done < 6
+    assert f"stopped by SIGTERM after step {done} of 6" in out + err
+    assert "rerun the same command to continue" in out + err
+    assert (tmp_path / "stopped" / f"global_step_{done}").is_dir()
+    assert (tmp_path / "stopped" / "report" / "report.md").is_file()
+    assert not (tmp_path / "stopped" / "final_model").exists()  # the run has not finished
+
+    resumed = run(tmp_path / "stopped", *flags, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'stopped' / f'global_step_{done}'}" in resumed.stdout
+    whole = run(tmp_path / "whole", *flags, ranks=2)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a, b = rows(tmp_path / "stopped"), rows(tmp_path / "whole")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        for key in COMPARED:
+            assert a[step][key] == b[step][key], f"step {step}: {key} {a[step][key]} != {b[step][key]}"
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_the_collective_timeout(tmp_path):
+    """A rank frozen by SIGSTOP (a hung node, a debugger): the other one waited silently for gloo's
+    30 minutes. With --collective-timeout 15 it gives up after 15 s and says what happened."""
+    import psutil
+
+    flags = [*SMALL, "--max-steps", "50", "--test-freq", "-1", "--save-freq", "1", "--rollout", "hf"]
+    proc = start_and_wait_for_step(tmp_path / "run", 2, *flags, "--collective-timeout", "15", ranks=2)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert len(workers) == 1
+    workers[0].send_signal(signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        out, err = proc.communicate(timeout=150)  # 15 s, then torchrun's own grace to kill the frozen rank
+    finally:
+        if workers[0].is_running():
+            workers[0].kill()
+    assert proc.returncode != 0
+    assert "another rank stopped answering" in err and "--collective-timeout" in err, err[-3000:]
+    assert time.time() - stopped < 120
+    assert max(steps_logged(tmp_path / "run")) < 50
+
+
+@pytest.mark.slow
+def test_a_diverging_run_skips_updates_saves_only_finite_weights_and_stops(tmp_path):
+    """--lr 1e30 with verl's weight decay: AdamW's first step puts weights near 1e29 and the next would
+    multiply them by 1 - lr x wd, past float32's range. Such updates are skipped, three skipped steps in
+    a row stop the run with a message, and nothing non-finite is saved (this run used to write inf into
+    final_model and print "saved the policy", exit 0)."""
+    flags = [*SMALL, "--lr", "1e30", "--weight-decay", "0.01", "--max-steps", "8", "--test-freq", "-1"]
+    proc = run(tmp_path / "run", *flags, "--save-freq", "1", "--rollout", "hf")
+    assert proc.returncode != 0
+    assert "every update was skipped" in proc.stderr and "Lower --lr" in proc.stderr, proc.stderr[-3000:]
+    assert "could make weights non-finite" in proc.stdout
+    assert not (tmp_path / "run" / "final_model").exists()
+    logged = rows(tmp_path / "run")
+    last = max(logged)
+    assert last < 8 and [logged[s].get("actor/skipped_updates") for s in range(last - 2, last + 1)] == [1, 1, 1]
+    from safetensors.torch import load_file
+
+    import checkpoint
+
+    saved = sorted(int(p.name.split("_")[-1]) for p in (tmp_path / "run").glob("global_step_*"))
+    assert saved == list(range(1, last))  # the step that stopped the run is logged, not saved
+    for step in saved:
+        checkpoint.export(str(tmp_path / "run" / f"global_step_{step}"), str(tmp_path / f"exported{step}"))
+        weights = load_file(tmp_path / f"exported{step}" / "model.safetensors")
+        assert all(torch.isfinite(t).all() for t in weights.values()), step
+
+
+@pytest.mark.slow
+def test_a_finished_run_without_its_final_model_gets_it_on_the_next_start(tmp_path):
+    """A kill during the final export left a finished run without final_model. The next start says so
+    and exports it from the last checkpoint, before any engine loads; the start after that refuses,
+    also before the engine loads."""
+    flags = [*SMALL, "--max-steps", "2", "--test-freq", "-1", "--save-freq", "1", "--rollout", "hf"]
+    first = run(tmp_path / "run", *flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
+    os.rename(tmp_path / "run" / "final_model", tmp_path / "first_final_model")
+
+    again = run(tmp_path / "run", *flags)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        "this run finished (step 2, of 2), but" in again.stdout
+        and "final_model is missing; exporting it from" in again.stdout
+    )
+    assert "rollout engine" not in again.stdout
+    exported = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+
+    third = run(tmp_path / "run", *flags)
+    assert third.returncode != 0 and "this run has finished (step 2, of 2)" in third.stderr
+    assert "rollout engine" not in third.stdout
+
+
+def test_a_flag_error_under_torchrun_is_its_summarys_root_cause(tmp_path):
+    """torchrun follows a failed worker with its own traceback and a table; the table's last line,
+    where people look, now holds our message instead of "To enable traceback see ..."."""
+    proc = run(tmp_path / "run", "--lr", "-1")
+    assert proc.returncode != 0
+    assert "error: --lr must be >= 0, got -1.0" in proc.stderr
+    tail = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("=")][-1]
+    assert tail.strip() == "traceback : train_grpo.py: error: --lr must be >= 0, got -1.0", proc.stderr[-2000:]
+
+
+def test_a_lora_adapter_on_a_tied_head_is_refused_before_anything_loads(tmp_path):
+    proc = run(tmp_path / "run", "--lora-rank", "4", "--lora-target-modules", "lm_head", "--max-steps", "1")
+    assert proc.returncode != 0
+    assert "--lora-target-modules lm_head: this model ties its LM head to the input embeddings" in proc.stderr
+    assert "rollout engine" not in proc.stdout
