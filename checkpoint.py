@@ -935,9 +935,10 @@ def publish_dir(tmp, out_dir):
     shutil.rmtree(out_dir + ".old", ignore_errors=True)
 
 
-def write_hf(state_dict, config, generation_config, tokenizer, out_dir, step=None):
-    """Write a full state dict as a Hugging Face model: safetensors, config, generation config,
-    tokenizer with its chat template. Loadable by AutoModelForCausalLM.from_pretrained and vLLM.
+def write_hf(state_dict, config, generation_config, tokenizer, out_dir, step=None, dtype=torch.float32):
+    """Write a full state dict as a Hugging Face model: safetensors with the weights in `dtype`
+    (config.json's dtype says which), config, generation config, tokenizer with its chat template.
+    Loadable by AutoModelForCausalLM.from_pretrained and vLLM.
     With `step` (the training step the weights are from), also out_dir/grpo_step.json, which
     final_model_problem reads.
 
@@ -949,11 +950,12 @@ def write_hf(state_dict, config, generation_config, tokenizer, out_dir, step=Non
     from transformers import AutoModelForCausalLM
 
     out_dir = os.path.normpath(out_dir)
-    bad = first_nonfinite(state_dict.items())
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    bad = first_nonfinite(state_dict.items())  # after the cast: a weight past bf16's range would be inf
     if bad is not None:
         raise nonfinite_error(bad, out_dir, "Export an earlier checkpoint, or resume from one with a smaller --lr.")
     with torch.device("meta"):  # a skeleton of the right class, filled with the given tensors
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.load_state_dict(state_dict, assign=True, strict=False)
     model.tie_weights()
     if generation_config is not None:
@@ -995,8 +997,10 @@ def check_no_code(model_dir):
             )
 
 
-def export(checkpoint, out_dir, base=None, adapter_dir=None):
-    """Checkpoint -> Hugging Face format, in one process, whatever number of ranks saved it.
+def export(checkpoint, out_dir, base=None, adapter_dir=None, dtype=None):
+    """Checkpoint -> Hugging Face format, in one process, whatever number of ranks saved it. The
+    weights are written in `dtype` ("bf16" or "fp32"; by default the run's compute dtype, its --dtype
+    as trainer_state.json records it, as final_model would be).
 
     A LoRA checkpoint holds the adapters only: they are loaded onto the base model (`base`, by
     default the run's --model) and written twice, as a PEFT adapter directory at adapter_dir
@@ -1019,13 +1023,14 @@ def export(checkpoint, out_dir, base=None, adapter_dir=None):
     generation_config = GenerationConfig.from_pretrained(hf)  # plain JSON: it has no code to run
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
+    dtype = torch.bfloat16 if (dtype or state["config"].get("dtype")) == "bf16" else torch.float32
     shards = SafeReader(os.path.join(checkpoint, "shards"))
     if lora_config is None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, **no_code)
         full = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in skeleton.state_dict().items()}}
         dcp.load(full, storage_reader=shards, no_dist=True)
-        write_hf(full["model"], config, generation_config, tokenizer, out_dir, state["step"])
+        write_hf(full["model"], config, generation_config, tokenizer, out_dir, state["step"], dtype)
         print(f"exported {checkpoint} to {out_dir}")
         return
     base = base or state["config"]["model"]
@@ -1058,7 +1063,7 @@ def export(checkpoint, out_dir, base=None, adapter_dir=None):
         raise write_error(
             e, getattr(e, "filename", None) or adapter_dir, f"writing the adapter {adapter_dir}", todo
         ) from e
-    write_hf(merged, config, generation_config, tokenizer, out_dir, state["step"])
+    write_hf(merged, config, generation_config, tokenizer, out_dir, state["step"], dtype)
     print(f"exported {checkpoint}: the merged model to {out_dir}, the adapter to {adapter_dir}")
 
 
@@ -1261,8 +1266,11 @@ if __name__ == "__main__":
     e.add_argument(
         "--adapter-out", default=None, help="LoRA: where to write the PEFT adapter (default: OUT_DIR_adapter)"
     )
+    e.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default=None, help="the weights' dtype (default: the run's --dtype)"
+    )
     args = parser.parse_args()
     try:
-        export(args.checkpoint, args.out_dir, args.base, args.adapter_out)
+        export(args.checkpoint, args.out_dir, args.base, args.adapter_out, args.dtype)
     except (WriteError, NonFiniteError) as e:  # the message says what happened and what to do
         raise SystemExit(str(e)) from None

@@ -166,6 +166,12 @@ class Args:
     """Dropout on the adapters' input. Above 0 the trainer's log-probs are no longer the engine's
     sampling distribution, so the PPO ratio starts away from 1."""
     # --- precision and memory
+    dtype: str = "fp32"
+    """The compute dtype of the policy, the engine, the reference and a reward model. bf16: FSDP2 mixed
+    precision (bf16 forward and backward; fp32 master weights, optimizer states and gradient reduction),
+    the same code on CPU and GPU. auto: bf16 on CUDA and on CPUs with native bf16 matmuls (avx512_bf16 or
+    AMX), else fp32. The run says which at start-up. fp32 stays the default until bf16's speed and learning
+    are measured on a CPU with native bf16 (README: "Precision")."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     # --- validation, logging, saving
@@ -249,6 +255,7 @@ CHOICES = dict(
     loss_mode=LOSS_MODES,
     rollout=("auto", "vllm", "hf"),
     lr_schedule=("constant", "cosine"),
+    dtype=("auto", "fp32", "bf16"),
     loss_agg=AGG_MODES,
     kl_kind=tuple(KL_KINDS),
 )

@@ -246,6 +246,12 @@ def main(argv=None):
     parser.add_argument(
         "--reward-weights", default="", help="comma-separated weights, one per --reward-fn; empty: all 1"
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "fp32", "bf16"),
+        help="the engine's dtype; auto: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed, >= 0")
     parser.add_argument(
         "--verbose",
@@ -282,6 +288,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
+    from policy import compute_dtype
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import check_model_path, context_length, make_engine, stop_token_ids
     from run_log import free_memory_gib
@@ -320,10 +327,14 @@ def main(argv=None):
             f"so responses stop there ({source})"
         )
         max_len = limit
+    dtype, why = compute_dtype(args.dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if rank == 0:
+        print(f"dtype: {str(dtype).removeprefix('torch.')} ({why})")
     engine = make_engine(
         args.rollout,
         args.model,
         max_model_len=max_len,
+        dtype=str(dtype).removeprefix("torch."),
         seed=args.seed,
         distributed=distributed,
         verbose=args.verbose,

@@ -81,7 +81,6 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy):
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
         n, V = labels.shape[0], weight.shape[0]
-        scaled = hidden if temperature == 1.0 else hidden / temperature  # z = (h / temp) W^T
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         z, e = _block_buffers(hidden, rows, cols, V, 2)
@@ -89,7 +88,7 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         for r in _spans(n, rows):
             m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
             for b, v in enumerate(vocab_blocks):
-                zb = _logits_block(scaled[r], weight[v], z)  # [r, k]
+                zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
                 torch.amax(zb, -1, out=m[b])
                 d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
                 p = torch.exp(d, out=zb)  # the logits are not needed again
@@ -102,8 +101,8 @@ class _HeadLogProbEntropy(torch.autograd.Function):
             lse[r] = top + total.log()
             if with_entropy:
                 entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
-        logp = _label_logits(scaled, weight, labels) - lse
-        ctx.save_for_backward(scaled, weight, labels, lse, entropy)
+        logp = _label_logits(hidden, weight, labels) / temperature - lse
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
         return logp, entropy
 
@@ -111,19 +110,19 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):
         # d loss / d z = g_logp (onehot - p) - g_entropy p (z - lse + H) = p (a z + c) + g_logp onehot,
         # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last.
-        scaled, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
         n, V = labels.shape[0], weight.shape[0]
-        grad_h = torch.zeros(scaled.shape, dtype=torch.float32, device=scaled.device) if want_h else None
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        zero = torch.zeros(n, device=scaled.device)
+        zero = torch.zeros(n, device=hidden.device)
         g_logp = zero if g_logp is None else g_logp.float()
         a = None if g_entropy is None else -g_entropy.float()
         c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
-        z, e = _block_buffers(scaled, ctx.rows, ctx.cols, V, 2)
+        z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2)
         for r in _spans(n, ctx.rows):
             for v in _spans(V, ctx.cols):
-                zb = _logits_block(scaled[r], weight[v], z)  # [r, k]
+                zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
                 g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
                 if a is None:
                     g.mul_(c[r, None])
@@ -132,12 +131,12 @@ class _HeadLogProbEntropy(torch.autograd.Function):
                 if want_h:
                     _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
                 if want_w:
-                    _add_product(grad_w[v], g.T, scaled[r])  # [k, r] @ [r, H]
+                    _add_product(grad_w[v], g.T, hidden[r])  # [k, r] @ [r, H]
         if want_h:  # the onehot term, then d z / d h = W / temp
             grad_h.add_(g_logp[:, None] * weight[labels].float()).div_(ctx.temperature)
-        if want_w:
-            grad_w.index_add_(0, labels, g_logp[:, None] * scaled.float())
-        grad_h = None if grad_h is None else grad_h.to(scaled.dtype)
+        if want_w:  # the onehot term, then d z / d W = h / temp
+            grad_w.index_add_(0, labels, g_logp[:, None] * hidden.float()).div_(ctx.temperature)
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
@@ -160,13 +159,16 @@ def _block(buffer, shape):
     return buffer[: shape[0] * shape[1]].view(shape)
 
 
-def _logits_block(hidden, weight, buffer):
-    """hidden [r, H] x weight [k, H] -> the fp32 logits [r, k], in `buffer` (the matmul in the
-    inputs' dtype)."""
+def _logits_block(hidden, weight, buffer, temperature):
+    """hidden [r, H] x weight [k, H] -> the fp32 logits / temperature [r, k], in `buffer`. The
+    matmul runs in the inputs' dtype and the division in fp32, as vLLM's sampler does it: in bf16 the
+    logits are rounded to bf16 once, then scaled (scaling h first would round twice)."""
     z = _block(buffer, (hidden.shape[0], weight.shape[0]))
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.mm(hidden, weight.T, out=z)
-    return z.copy_(hidden @ weight.T)
+        torch.mm(hidden, weight.T, out=z)
+    else:
+        z.copy_(hidden @ weight.T)
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def _label_logits(hidden, weight, labels):

@@ -227,6 +227,33 @@ def activation_gib_per_token(model, device, length=1024):
 # Model setup
 
 
+def native_bf16(device):
+    """Whether `device` multiplies bf16 matrices in hardware: CUDA, or a CPU with avx512_bf16 or AMX
+    (elsewhere torch emulates bf16 matmuls on CPU, tens of times slower than fp32)."""
+    if device.type == "cuda":
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def compute_dtype(choice, device):
+    """--dtype -> (torch dtype, why): bf16 or fp32 as asked; auto picks bf16 where the device does bf16
+    matmuls natively (native_bf16), fp32 elsewhere."""
+    if choice == "bf16":
+        why = "--dtype bf16" + (
+            "" if native_bf16(device) else "; this CPU has no native bf16, so it is emulated and slow"
+        )
+        return torch.bfloat16, why
+    if choice == "fp32":
+        return torch.float32, "--dtype fp32" + (
+            "; this device does bf16 natively: --dtype auto" if native_bf16(device) else ""
+        )
+    if device.type == "cuda":
+        return torch.bfloat16, "--dtype auto on CUDA"
+    if native_bf16(device):
+        return torch.bfloat16, "--dtype auto on a CPU with native bf16 matmuls"
+    return torch.float32, "--dtype auto on a CPU without native bf16 matmuls (no avx512_bf16 or AMX)"
+
+
 def load_model(path, dtype, device):
     """The causal LM in `path` on `device`. Never runs Python code from the model directory
     (trust_remote_code=False): rollout.check_model_path refuses a directory that needs it."""
@@ -236,13 +263,16 @@ def load_model(path, dtype, device):
     return model.to(device)
 
 
-def shard(model, mesh, mixed_precision):
-    """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head)."""
+def shard(model, mesh, dtype=torch.float32):
+    """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head). The
+    parameters stay as loaded (fp32 master weights); with dtype bf16 FSDP2 casts them to bf16 as it
+    gathers them for the forward and backward, and reduces gradients in fp32 (mixed precision, the
+    same on CPU and GPU)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
+        if dtype == torch.bfloat16
         else MixedPrecisionPolicy()
     )
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -263,8 +293,9 @@ def full_parameters(model, dtype):
         yield name, full_tensor(param).detach().to(dtype)
 
 
-def save_hf(model, tokenizer, out_dir, rank, step=None):
-    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format (with LoRA,
+def save_hf(model, tokenizer, out_dir, rank, step=None, dtype=torch.float32):
+    """Gather the full state dict to rank 0's CPU and write it in Hugging Face format, its weights in
+    `dtype` (the run's compute dtype; config.json says which) (with LoRA,
     the base with the adapters merged in: no PEFT needed to load it), with `step` in grpo_step.json
     (checkpoint.final_model_problem reads it). A collective, and so are its failures: weights that
     hold inf or NaN raise checkpoint.NonFiniteError on every rank before anything is gathered (each
@@ -281,7 +312,7 @@ def save_hf(model, tokenizer, out_dir, rank, step=None):
     error = None
     if rank == 0:
         try:
-            checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir, step)
+            checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir, step, dtype)
         except Exception as e:  # told to every rank, which would otherwise wait for rank 0 forever
             error = e
     failure = checkpoint.first_failure(error)  # and a barrier
@@ -289,19 +320,18 @@ def save_hf(model, tokenizer, out_dir, rank, step=None):
         raise failure
 
 
-def load_policy(path, mesh, device, grad_checkpointing=False, reference=False, lora_args=None):
-    """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded:
-    fp32 master weights; on a GPU, FSDP computes in bf16. With lora_args (rank, alpha, target
+def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=False, lora_args=None):
+    """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded
+    with fp32 master weights, computing in `dtype` (shard). With lora_args (rank, alpha, target
     modules, dropout) the policy is a PeftModel whose base is frozen, and there is no reference
     copy: the reference is the policy with its adapters off (reference_logprobs)."""
-    mixed = device.type == "cuda"
     policy = load_model(path, torch.float32, device)
     if grad_checkpointing:  # recompute activations in the backward pass: less memory, more compute
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_args:
-        return shard(lora.add_adapters(policy, *lora_args), mesh, mixed), None
+        return shard(lora.add_adapters(policy, *lora_args), mesh, dtype), None
     frozen = load_model(path, torch.float32, device).eval().requires_grad_(False) if reference else None
-    return shard(policy, mesh, mixed), None if frozen is None else shard(frozen, mesh, mixed)
+    return shard(policy, mesh, dtype), None if frozen is None else shard(frozen, mesh, dtype)
 
 
 def reference_logprobs(policy, reference, *logprob_args):

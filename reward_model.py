@@ -41,9 +41,9 @@ def check_reward_model(path):
         )
 
 
-def load_reward_model(path, mesh, device):
-    """(FSDP2-sharded frozen model, its tokenizer) from a directory saved by save_pretrained, after
-    check_reward_model. Never runs code from the directory (trust_remote_code=False)."""
+def load_reward_model(path, mesh, device, dtype=torch.float32):
+    """(FSDP2-sharded frozen model computing in `dtype`, its tokenizer) from a directory saved by
+    save_pretrained, after check_reward_model. Never runs code from the directory (trust_remote_code=False)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     check_reward_model(path)
@@ -61,7 +61,7 @@ def load_reward_model(path, mesh, device):
     # even when a conversation ends with the pad token itself (pad = eos is common).
     model.config.pad_token_id = -1
     model.requires_grad_(False).eval()
-    return shard(model.to(device), mesh, device.type == "cuda"), tokenizer
+    return shard(model.to(device), mesh, dtype), tokenizer
 
 
 def render(tokenizer, rows, texts):

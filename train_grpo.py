@@ -69,6 +69,7 @@ from eval import samples_table, validate
 from loss import GSPO_AGG, agg_denominator, agg_loss, kl_penalty, policy_loss
 from policy import (
     activation_gib_per_token,
+    compute_dtype,
     compute_logprobs,
     load_policy,
     make_batch,
@@ -199,10 +200,9 @@ def check_update_memory(args, policy, trained, world, ranks_here, device, kv_cac
     )
 
 
-def start_engine(args, world, ranks_here, device):
-    """The rollout engine for --rollout, and the dtype it computes in (bf16 on a GPU, fp32 on CPU)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine = make_engine(
+def start_engine(args, world, ranks_here, device, dtype):
+    """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype)."""
+    return make_engine(
         args.rollout,
         args.model,
         max_model_len=args.max_prompt_length + args.max_response_length,
@@ -217,7 +217,6 @@ def start_engine(args, world, ranks_here, device):
         sequences=args.prompt_batch_size // world * args.group_size,  # vLLM's KV cache on CPU: the same rollout
         memory_gib=free_memory_gib(device, ranks_here),
     )
-    return engine, dtype
 
 
 def lr_factor(step, args, total_steps):
@@ -389,7 +388,10 @@ def keep_best(history, args, policy, tokenizer, rank):
         names = sorted(k for k in history[-1] if k.startswith("val-"))
         raise SystemExit(f"--early-stop-metric {args.early_stop_metric}: no such validation metric; there are {names}")
     if is_best(history, args.early_stop_metric):
-        save_hf(policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank, step=history[-1]["step"])
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        save_hf(
+            policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank, step=history[-1]["step"], dtype=dtype
+        )
 
 
 def micro_batch_loss(policy, view, rows, adv_tokens, old_logp, ref_logp, engine_logp, agg, args, device):
@@ -499,7 +501,10 @@ def main():
         lora.check_targets(args.model, args.lora_target_modules)
     if args.reward_model:  # its directory is checked like the policy's, before anything loads
         reward_model.check_reward_model(args.reward_model)
+    dtype, why = compute_dtype(args.dtype, device)
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what the config, checkpoints and export record
     config = dataclasses.asdict(args)
+    print0(f"compute dtype: {args.dtype} ({why})")
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
     from transformers import AutoTokenizer
 
@@ -518,15 +523,17 @@ def main():
     reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine, engine_dtype = start_engine(args, world, ranks_here, device)
+    engine = start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
     print0(f"rollout engine: {type(engine).__name__}" + (f", KV cache of {kv:,} tokens" if kv else ""))
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
-    policy, reference = load_policy(args.model, mesh, device, args.grad_checkpointing, args.kl_coef > 0, lora_args)
-    rm = reward_model.load_reward_model(args.reward_model, mesh, device) if args.reward_model else None
+    policy, reference = load_policy(
+        args.model, mesh, device, dtype, args.grad_checkpointing, args.kl_coef > 0, lora_args
+    )
+    rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     reward = (reward_fn, rm)  # what score_samples needs
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     engine.sleep()
@@ -544,7 +551,7 @@ def main():
     start_step, history = 0, []
     if resume_from:
         start_step, history = resume(resume_from, args, policy, optimizer, scheduler, total_steps, base_fingerprint)
-        sync_weights(engine, policy, engine_dtype)
+        sync_weights(engine, policy, dtype)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
     validation = (engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, log)
@@ -603,7 +610,7 @@ def main():
 
         # ---- copy the new weights into the engine
         with timed(timing, "update_weights"):
-            sync_weights(engine, policy, engine_dtype)
+            sync_weights(engine, policy, dtype)
         timing["step"] = time.perf_counter() - t_step
 
         # ---- metrics, verl's names, reduced over ranks
@@ -686,7 +693,9 @@ def main():
         if lora_args:  # first: a final_model of this step says that both are complete
             lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
             print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
-        save_hf(policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done)  # with LoRA: merged
+        save_hf(
+            policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done, dtype=dtype
+        )  # with LoRA: merged
         print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
     if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
         path, verdicts = health.write_report(args.out_dir)

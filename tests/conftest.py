@@ -95,10 +95,12 @@ CHECK_SAVED_MODEL = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from loss import logprobs_from_logits
     path, questions = sys.argv[1], json.loads(sys.argv[2])
+    dtype = json.load(open(os.path.join(path, "config.json"))).get("dtype") or "float32"  # both load it as saved
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    assert model.dtype == getattr(torch, dtype), model.dtype
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False) for q in questions]
-    llm = LLM(model=path, dtype="float32", max_model_len=max(map(len, prompts)) + 8, enforce_eager=True, seed=0)
+    llm = LLM(model=path, dtype=dtype, max_model_len=max(map(len, prompts)) + 8, enforce_eager=True, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4, logprobs=0))
     worst = 0.0
     for p, o in zip(prompts, outs):
@@ -108,7 +110,7 @@ CHECK_SAVED_MODEL = textwrap.dedent(
         assert ids[0] == int(model(torch.tensor([p])).logits[0, -1].argmax()), "greedy tokens differ"
         vl = torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids)])
         worst = max(worst, (hf - vl).abs().max().item())
-    print("max logprob gap", worst)
+    print("dtype", dtype, "max logprob gap", worst)
     """
 )
 
@@ -117,7 +119,7 @@ def check_saved_model(path, questions):
     """Load a saved model in transformers and, in a fresh process, in vLLM; greedy-answer
     `questions` (user messages, rendered with the model's chat template) with vLLM and return the
     largest gap between vLLM's and transformers' log-probs of the answers (the first token is
-    checked to be transformers' argmax)."""
+    checked to be transformers' argmax). Both load it in the dtype its config.json names."""
     proc = subprocess.run(
         [sys.executable, "-c", CHECK_SAVED_MODEL, str(path), json.dumps(questions)],
         cwd=REPO,

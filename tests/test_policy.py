@@ -195,7 +195,7 @@ def fused_head_on_two_ranks(rank, port, model_dir, tied, results):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if not tied:
         untie(model)
-    policy.shard(model, init_device_mesh("cpu", (2,)), mixed_precision=False)
+    policy.shard(model, init_device_mesh("cpu", (2,)))
     view, weights = grad_case(rows=[[0, 1], [2, 3]][rank])
     logp, entropy = policy.response_logprobs(model, view, CPU, temperature=0.8, entropy_grad=True)
     (2 * ((logp * weights + 0.1 * entropy) * view["response_mask"]).sum()).backward()
