@@ -61,6 +61,7 @@ BAD = [
     (["--prompt-batch-size", "0"], "--prompt-batch-size must be >= 1"),
     (["--max-prompt-length", "0"], "--max-prompt-length must be >= 1"),
     (["--rollout", "sglang"], "argument --rollout: invalid choice: 'sglang'"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--temperature", "-0.5"], "--temperature must be > 0"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
@@ -376,6 +377,7 @@ EVAL_BAD = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--max-prompts", "0"], "--max-prompts must be >= 1, or -1 for all"),
     (["--rollout", "sglang"], "argument --rollout: invalid choice: 'sglang'"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--sample", "4"], "unrecognized arguments: --sample 4"),  # no abbreviations
 ]
