@@ -1,0 +1,138 @@
+"""fp32 against bf16, side by side in one run: the GRPO step's time split and the engine-vs-trainer
+gap, on SmolLM2 x multiply (README's command), the Qwen-vocabulary shape and the demo.
+
+    python models.py smollm2 --out models/smollm2 && python data_prep.py multiply --out data/multiply
+    python benchmarks/bf16_step.py [--setups smollm2,qwen-vocab,demo] [--steps 4] [--out-dir runs/bf16_step]
+
+For each setup it runs train_grpo.py with --dtype fp32 and then --dtype bf16 (1 rank, vLLM, no
+validation, no checkpoints) and prints, as medians over the steps after the first: the step, its
+generation, update and weight sync with their shares, the update's MFU against the bf16 and fp32
+matmul rates measured at the start of this run, and the gap metrics (training/rollout_*). Run it on
+an otherwise idle machine. --prompts/--group-size shrink the batch where bf16 is emulated (a CPU
+without avx512_bf16 or AMX runs bf16 matmuls tens of times slower than fp32).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from policy import native_bf16  # noqa: E402 (the repository's, not a package)
+
+QWEN_DIR = os.path.join(REPO, "..", "shared", "models", "qwen2.5-0.5b-instruct")
+SETUPS = {
+    "smollm2": "--model models/smollm2 --train-data data/multiply/train.parquet --val-data data/multiply/test.parquet "
+    "--max-prompt-length 128 --max-response-length 32 --kl-coef 0 --lr 1e-5",
+    "qwen-vocab": "--model {qwen} --max-prompt-length 64 --max-response-length 48 --kl-coef 0 --lr 1e-5",
+    "demo": "",
+}
+GAP = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_logprob_diff_max")
+
+
+def matmul_rate(dtype, m=2048, k=576, n=1536, repeats=5):
+    """GFLOP/s of an [m, k] x [k, n] matmul in `dtype` (SmolLM2's MLP shape), best of `repeats`."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    best = min(_time(lambda: a @ b) for _ in range(repeats))
+    return 2 * m * k * n / best / 1e9
+
+
+def _time(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def qwen_vocab_model(out):
+    """The Qwen-vocabulary shape of BENCHMARKS.md: the real Qwen2.5 tokenizer and config, hidden 128, 2 layers."""
+    if not os.path.isdir(out):
+        from models import build_random_model
+
+        build_random_model(
+            out, QWEN_DIR, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=512,
+        )  # fmt: skip
+    return out
+
+
+def update_flops(model_dir, row):
+    """FLOPs of one update: 6 x parameters x tokens for the blocks and embeddings' share, the head on the
+    response tokens only (how our trainer runs it), from the step's logged token counts."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head = c.vocab_size * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    kv = c.hidden_size * c.hidden_size // c.num_attention_heads * c.num_key_value_heads
+    attn = 2 * c.hidden_size * c.hidden_size + 2 * kv
+    blocks = c.num_hidden_layers * (mlp + attn)
+    n = row["perf/total_num_tokens"]
+    responses = row["response_length/mean"] * n / (row["prompt_length/mean"] + row["response_length/mean"])
+    return 6 * (blocks * n + head * responses)
+
+
+def run(setup, dtype, args):
+    out_dir = os.path.join(args.out_dir, f"{setup}_{dtype}")
+    flags = SETUPS[setup].format(qwen=qwen_vocab_model(os.path.join(args.out_dir, "qwen_vocab_model"))).split()
+    flags += (
+        f"--prompt-batch-size {args.prompts} --mini-batch-size {args.prompts} --group-size {args.group_size}".split()
+    )
+    flags += f"--max-steps {args.steps} --test-freq -1 --no-val-before-train --save-freq -1 --rollout vllm".split()
+    if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
+        proc = subprocess.run(
+            [*cmd, "--out-dir", out_dir, "--dtype", dtype, *flags], cwd=REPO, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"{setup} {dtype} failed:\n{proc.stderr[-4000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    rows = [r for r in rows if r["step"] >= 1]
+    model = os.path.join(out_dir, "tiny_model") if setup == "demo" else flags[flags.index("--model") + 1]
+    return rows[1:] or rows, model
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setups", default="smollm2,qwen-vocab,demo")
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the medians")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (README's SmolLM2 command: 8)")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (README's SmolLM2 command: 8)")
+    p.add_argument("--out-dir", default="runs/bf16_step")
+    args = p.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    rate = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
+    native = native_bf16(torch.device("cpu"))
+    print(f"native bf16 matmuls on this CPU: {native}")
+    if not native:
+        print("(bf16 is emulated here: its speed depends on the shape, so the bf16 MFU below means little)")
+    print(f"matmul 2048x576x1536 on {os.cpu_count()} threads: fp32 {rate['fp32']:.0f} GFLOP/s, bf16 {rate['bf16']:.1f}")
+    for setup in args.setups.split(","):
+        print(f"\n{setup}: {args.prompts} prompts x {args.group_size} samples, medians of steps 2..{args.steps}")
+        times = {}
+        for dtype in ("fp32", "bf16"):
+            rows, model = run(setup, dtype, args)
+            med = {
+                k: statistics.median(r[f"timing_s/{k}"] for r in rows)
+                for k in ("step", "gen", "update_actor", "update_weights")
+            }
+            times[dtype] = med["step"]
+            flops = statistics.median(update_flops(model, r) for r in rows)
+            shares = ", ".join(
+                f"{k} {med[k]:.2f} s ({med[k] / med['step']:.0%})" for k in ("gen", "update_actor", "update_weights")
+            )
+            mfu = flops / med["update_actor"] / 1e9 / rate[dtype]
+            print(f"  {dtype}: step {med['step']:.2f} s: {shares}; update MFU {mfu:.0%} of {dtype}'s matmul rate")
+            gaps = {k: max(r[k] for r in rows) for k in GAP}
+            print("        gap (max over steps): " + ", ".join(f"{k.split('/')[1]} {v:.2e}" for k, v in gaps.items()))
+        print(f"  bf16 step / fp32 step: {times['bf16'] / times['fp32']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
