@@ -71,13 +71,13 @@ def test_the_fused_head_in_bf16_rounds_the_logits_once_as_vllm_does(temperature)
 
 
 @pytest.mark.slow
-def test_bf16_on_two_ranks_with_vllm_and_the_reference_resumes_exactly_and_exports_bf16(tmp_path):
-    """2 ranks, vLLM in bf16, the reference model: killed mid-update at step 3 and rerun, the run is
-    exactly the uninterrupted one; final_model is bf16 (config.json's dtype) and loads in transformers
-    and vLLM alike. The engine-vs-trainer gap stays at bf16's rounding."""
-    train(tmp_path / "whole", "--rollout", "vllm", ranks=2)
-    train(tmp_path / "killed", "--rollout", "vllm", ranks=2, crash_at="update:3")
-    proc = train(tmp_path / "killed", "--rollout", "vllm", ranks=2)
+def test_bf16_on_two_ranks_with_the_reference_resumes_exactly_and_exports_bf16(tmp_path):
+    """2 ranks, the transformers engine in bf16, the reference model: killed mid-update at step 3 and
+    rerun, the run is exactly the uninterrupted one; final_model is bf16 (config.json's dtype) and loads
+    in transformers and vLLM alike. The engine-vs-trainer gap stays at bf16's rounding."""
+    train(tmp_path / "whole", "--rollout", "hf", ranks=2)
+    train(tmp_path / "killed", "--rollout", "hf", ranks=2, crash_at="update:3")
+    proc = train(tmp_path / "killed", "--rollout", "hf", ranks=2)
     assert "compute dtype: bf16 (--dtype bf16" in proc.stdout
     a, b = metrics(tmp_path / "whole"), metrics(tmp_path / "killed")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
@@ -107,10 +107,11 @@ def test_bf16_on_two_ranks_with_vllm_and_the_reference_resumes_exactly_and_expor
 
 
 @pytest.mark.slow
-def test_bf16_lora_on_the_transformers_engine(tmp_path):
-    """LoRA in bf16 on one rank, the transformers engine in bf16: the adapters train (fp32 master
-    copies), the engine samples from the merged bf16 weights, and the merged final model is bf16."""
-    train(tmp_path, "--rollout", "hf", "--lora-rank", "8", "--lr", "5e-3", "--save-freq", "-1")
+def test_bf16_lora_on_vllm(tmp_path):
+    """LoRA in bf16 on one rank, vLLM in bf16: the adapters train (fp32 master copies), the engine
+    samples from the merged weights synced to it in bf16 (the gap would grow if they never arrived),
+    and the merged final model is bf16."""
+    train(tmp_path, "--rollout", "vllm", "--lora-rank", "8", "--lr", "5e-3", "--save-freq", "-1")
     rows = metrics(tmp_path)
     assert all(r["actor/grad_norm"] > 0 for r in rows[1:])
     assert rows[4]["actor/kl_loss"] > 0  # the adapters moved the policy away from its base

@@ -369,7 +369,8 @@ def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
 def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
     warnings and the end-of-run report say so (health.py)."""
-    proc = train(tmp_path, *"--lr 0.05 --max-steps 10 --test-freq 5 --val-max-prompts 64 --save-freq -1".split())
+    flags = "--lr 0.05 --max-steps 6 --test-freq 3 --val-max-prompts 32 --save-freq -1 --prompt-batch-size 16"
+    proc = train(tmp_path, *flags.split(), "--mini-batch-size", "16")
     assert "health: step" in proc.stdout and "actor/entropy fell" in proc.stdout
     assert "health report:" in proc.stdout and ": problem (" in proc.stdout
     report = (tmp_path / "report" / "report.md").read_text()
