@@ -12,7 +12,8 @@ What runs. Every run is a fresh process, started the way a user would start it: 
 re-runs itself with --trl-worker). Both get the same model and tokenizer (--setup: the demo's tiny
 model on the digits task; SmolLM2-135M-Instruct, or a random Qwen2 with the real Qwen2.5 tokenizer,
 on GSM8K prompts rendered with the model's chat template), the same prompts in the same order, n samples per prompt, max new tokens, one optimizer step per
-rollout, the same learning rate, no KL term, no reference model, fp32, and the same thread count.
+rollout, the same learning rate, no KL term, no reference model, the same precision (--dtype: fp32, or
+bf16 as ours --dtype bf16 against TRL's bf16=True), and the same thread count.
 Each side splits the update's forward/backward its own fastest way, and both give the same gradient:
 ours packs sequences by length into micro-batches (--micro-batch-tokens), so padding is never computed
 on; TRL pads, so we first try its update in 1, 4 and 8 passes (--trl-passes: gradient accumulation
@@ -41,7 +42,7 @@ meanwhile ("other load"); above 10% its timings are flagged as disturbed: on 2 c
 neighbour stalls every OpenMP barrier of a 2-thread run.
 
 The update's model-FLOPs utilisation (6 x matmul weights x real tokens / update time) is measured
-against this machine's fp32 matmul rate, timed in this process before and after the rounds.
+against this machine's matmul rate in --dtype, timed in this process before and after the rounds.
 
 Then our step alone: how its time splits into phases (train_grpo.py's `timing_s/*`), and how step time
 and peak memory grow with the group size n and the response length (one run per point).
@@ -188,6 +189,13 @@ def parse_args(argv=None):
         help="TRL's update: split each step's completions into this many "
         "forward/backward passes (gradient_accumulation_steps = steps_per_generation), comma-separated; "
         "the fastest one is used",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="compute precision of both: ours --dtype (FSDP2 mixed precision, the engine in bf16), TRL's bf16=True "
+        "(autocast); the MFU is then against the bf16 matmul rate",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS of every run")
     p.add_argument(
@@ -434,13 +442,14 @@ def matmul_params(model_dir):
     return body, config.vocab_size * config.hidden_size
 
 
-def matmul_rate(threads, size=2048, reps=15):
-    """This machine's fp32 matmul rate in FLOP/s: the median of `reps` timed size x size products, on
-    `threads` threads (what the runs get)."""
+def matmul_rate(threads, dtype="fp32", size=2048, reps=15):
+    """This machine's matmul rate in FLOP/s in `dtype` (fp32 or bf16): the median of `reps` timed
+    size x size products, on `threads` threads (what the runs get)."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
     for _ in range(3):
         a @ b
     times = []
@@ -563,6 +572,7 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         test_freq=-1,
         save_freq=-1,
         resume="never",
+        dtype=args.dtype,
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
     # TRL's transformers generation returns no per-token log-probs, and our on-policy update does not
@@ -647,6 +657,7 @@ def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_w
         seed=seed,
         max_model_len=SETUPS[args.setup]["max_prompt_length"] + length,
         passes=passes,
+        bf16=args.dtype == "bf16",
     )
     spec_path = os.path.join(run_dir, "spec.json")
     with open(spec_path, "w") as f:
@@ -706,7 +717,7 @@ def trl_worker(spec_path):
         output_dir=spec["out_dir"],
         seed=spec["seed"],
         use_cpu=True,
-        bf16=False,
+        bf16=spec["bf16"],  # the Trainer's mixed precision: fp32 weights, autocast to bf16
         fp16=False,
         max_steps=spec["steps"],
         shuffle_dataset=False,  # the prompts come in our order
@@ -927,13 +938,13 @@ def main():
             ],
             ["learning rate", args.lr],
             ["KL / reference model", "off / none"],
-            ["precision", "fp32"],
+            ["precision", "bf16 (ours: FSDP2 mixed precision; TRL: bf16=True)" if args.dtype == "bf16" else "fp32"],
             ["threads", args.threads],
             ["steps per run (warm-up dropped)", f"{args.steps} ({args.warmup})"],
         ],
     )
     results = dict(config=vars(args), versions=info, runs=[])
-    rates = [matmul_rate(args.threads)]  # again after the comparison: the machine's clock drifts
+    rates = [matmul_rate(args.threads, args.dtype)]  # again after the comparison: the machine's clock drifts
 
     # ---- TRL's fastest settings here: into how many passes its update splits a step, then which generation mode
     probe_warmup = args.probe_steps // 2
@@ -1075,7 +1086,7 @@ def main():
         )
 
     # ---- how well the update uses the machine
-    rates.append(matmul_rate(args.threads))
+    rates.append(matmul_rate(args.threads, args.dtype))
     rate, n_matmul = max(rates), matmul_params(inputs[0])
     mfu = {
         system: update_mfu(by_system[system], args.warmup, n_matmul, rate)
@@ -1086,7 +1097,7 @@ def main():
         matmul_rate_gflops=[r / 1e9 for r in rates], matmul_params=dict(body=n_matmul[0], head=n_matmul[1]), systems=mfu
     )
     print_table(
-        f"the update's model-FLOPs utilisation (MFU) against the measured fp32 matmul rate, {rate / 1e9:.0f} GFLOP/s "
+        f"the update's model-FLOPs utilisation (MFU) against the measured {args.dtype} matmul rate, {rate / 1e9:.0f} GFLOP/s "
         f"(2048^3 products on {args.threads} threads; {', '.join(f'{r / 1e9:.0f}' for r in rates)} before and after the rounds)",
         ["system", "tokens the update computes", "model GFLOP", "update s", "GFLOP/s", "MFU"],
         [

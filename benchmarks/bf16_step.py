@@ -62,9 +62,10 @@ def qwen_vocab_model(out):
     return out
 
 
-def update_flops(model_dir, row):
-    """FLOPs of one update: 6 x parameters x tokens for the blocks and embeddings' share, the head on the
-    response tokens only (how our trainer runs it), from the step's logged token counts."""
+def update_flops(model_dir, row, prompts, group_size):
+    """FLOPs of one update, 6 x parameters x tokens computed, from the step's mean lengths: the blocks
+    run each prompt once per group (shared prompts, the default) and every response; the head runs on
+    the response tokens only (how our trainer runs it)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
@@ -73,9 +74,8 @@ def update_flops(model_dir, row):
     kv = c.hidden_size * c.hidden_size // c.num_attention_heads * c.num_key_value_heads
     attn = 2 * c.hidden_size * c.hidden_size + 2 * kv
     blocks = c.num_hidden_layers * (mlp + attn)
-    n = row["perf/total_num_tokens"]
-    responses = row["response_length/mean"] * n / (row["prompt_length/mean"] + row["response_length/mean"])
-    return 6 * (blocks * n + head * responses)
+    responses = row["response_length/mean"] * prompts * group_size
+    return 6 * (blocks * (row["prompt_length/mean"] * prompts + responses) + head * responses)
 
 
 def run(setup, dtype, args):
@@ -123,7 +123,7 @@ def main():
                 for k in ("step", "gen", "update_actor", "update_weights")
             }
             times[dtype] = med["step"]
-            flops = statistics.median(update_flops(model, r) for r in rows)
+            flops = statistics.median(update_flops(model, r, args.prompts, args.group_size) for r in rows)
             shares = ", ".join(
                 f"{k} {med[k]:.2f} s ({med[k] / med['step']:.0%})" for k in ("gen", "update_actor", "update_weights")
             )

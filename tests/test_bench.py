@@ -65,3 +65,34 @@ def test_the_gsm8k_setups_say_how_to_build_what_they_need(tmp_path):
     args = bench.parse_args(["--setup", "smollm2", "--gsm8k", str(tmp_path / "nothing")])
     with pytest.raises(SystemExit, match="python data_prep.py gsm8k"):
         bench.prepare_inputs(args)
+
+
+def test_bf16_is_asked_of_both_sides_and_fp16_refused(capsys):
+    assert bench.parse_args([]).dtype == "fp32"
+    assert bench.parse_args(["--dtype", "bf16"]).dtype == "bf16"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtype", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_bf16_step_counts_each_shared_prompt_once_per_group(tmp_path):
+    import bf16_step
+
+    from models import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "m"), ["a", "b", "c"], hidden=128, layers=2, heads=2, intermediate=512)
+    blocks, head = 2 * (4 * 128 * 128 + 3 * 128 * 512), 10 * 128
+    row = {"prompt_length/mean": 40.0, "response_length/mean": 10.0}
+    # 8 prompts x 8 answers: the blocks see 8 x 40 prompt tokens and 64 x 10 answer tokens, the head the answers
+    assert bf16_step.update_flops(model, row, 8, 8) == 6 * (blocks * (8 * 40 + 64 * 10) + head * 64 * 10)
+
+
+def test_bf16_parity_reads_the_validations_and_the_time_to_a_gain():
+    import bf16_parity
+
+    rows = [{"step": 0, bf16_parity.METRIC: 0.2}]
+    rows += [{"step": s, "timing_s/step": 10.0} | ({bf16_parity.METRIC: a} if a is not None else {}) for s, a in
+             [(1, None), (2, 0.45), (3, None), (4, 0.55)]]  # fmt: skip
+    points = bf16_parity.curve(rows)
+    assert points == [(0, 0.0, 0.2), (2, 20.0, 0.45), (4, 40.0, 0.55)]
+    assert bf16_parity.time_to_gain(points, 0.30) == 40.0 and bf16_parity.time_to_gain(points, 0.5) is None
