@@ -132,3 +132,26 @@ def test_reward_errors_skip_counts_and_raise_names_the_sample(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "ConnectionError: the checker is down" in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"\bsample \d+", proc.stderr)  # names the sample ("raised on sample 17", "sample 17 of the batch")
+
+
+def test_a_reward_model_follows_the_compute_dtype(rm_dir):
+    """--dtype bf16: the reward model runs in bf16 (FSDP2 mixed precision, as the policy), and its
+    scores stay within bf16's rounding of the fp32 ones."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        rows = [{"prompt": [{"role": "user", "content": "list 1 2 3 4 5 6 last"}]}] * 3
+        texts = ["6", "1 2", "6 6 6 6 6"]
+        scores, seen = {}, {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model, tok = reward_model.load_reward_model(rm_dir, mesh, CPU, dtype=dtype)
+            model.score.register_forward_hook(lambda m, i, o, d=dtype: seen.__setitem__(d, (i[0].dtype, o.dtype)))
+            scores[dtype] = reward_model.score(model, tok, rows, texts, micro_batch_size=3, device=CPU)
+        assert seen == {torch.float32: (torch.float32,) * 2, torch.bfloat16: (torch.bfloat16,) * 2}
+        assert scores[torch.bfloat16] != scores[torch.float32]
+        assert scores[torch.bfloat16] == pytest.approx(scores[torch.float32], abs=0.01)  # measured: 2.3e-3
+    finally:
+        dist.destroy_process_group()
