@@ -442,14 +442,15 @@ def matmul_params(model_dir):
     return body, config.vocab_size * config.hidden_size
 
 
-def matmul_rate(threads, dtype="fp32", size=2048, reps=15):
+def matmul_rate(threads, dtype="fp32", shape=(2048, 2048, 2048), reps=15):
     """This machine's matmul rate in FLOP/s in `dtype` (fp32 or bf16): the median of `reps` timed
-    size x size products, on `threads` threads (what the runs get)."""
+    [m, k] x [k, n] products (shape = (m, k, n)), on `threads` threads (what the runs get)."""
     import torch
 
     torch.set_num_threads(threads)
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+    m, k, n = shape
+    a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
     for _ in range(3):
         a @ b
     times = []
@@ -457,7 +458,7 @@ def matmul_rate(threads, dtype="fp32", size=2048, reps=15):
         t = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - t)
-    return 2 * size**3 / statistics.median(times)
+    return 2 * m * k * n / statistics.median(times)
 
 
 def update_mfu(runs, warmup, n_matmul, rate):

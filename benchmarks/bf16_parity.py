@@ -16,43 +16,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMAND = (
-    "--model models/smollm2 --train-data data/multiply/train.parquet --val-data data/multiply/test.parquet "
-    "--prompt-batch-size 8 --mini-batch-size 8 --group-size 8 --max-prompt-length 128 --max-response-length 32 "
-    "--kl-coef 0 --lr 1e-5 --epochs 2 --test-freq 3"
-).split()
-METRIC = "val-core/synthetic/multiply/reward/mean@1"
+from lora_smollm2 import curve, run  # README's SmolLM2 command, run and read the same way
+
 DTYPES = ("fp32", "bf16")
-
-
-def run(run_dir, dtype):
-    if os.path.isfile(os.path.join(run_dir, "final_model", "model.safetensors")):
-        print(f"{run_dir}: finished before, reading it")
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    proc = subprocess.run(
-        [*cmd, "--out-dir", run_dir, "--dtype", dtype, *COMMAND], cwd=REPO, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir} failed:\n{proc.stderr[-4000:]}")
 
 
 def rows_of(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-def curve(rows):
-    """[(step, training seconds so far, held-out accuracy)] at every validation."""
-    out, elapsed = [], 0.0
-    for r in rows:
-        elapsed += r.get("timing_s/step", 0.0)
-        if METRIC in r:
-            out.append((r["step"], elapsed, r[METRIC]))
-    return out
 
 
 def time_to_gain(points, gain):
@@ -92,9 +63,9 @@ def main():
     rows, curves = {}, {}
     for dtype in DTYPES:
         run_dir = os.path.join(args.out_dir, dtype)
-        run(run_dir, dtype)
+        run(run_dir, ["--lr", "1e-5", "--dtype", dtype])
         rows[dtype] = rows_of(run_dir)
-        curves[dtype] = curve(rows[dtype])
+        curves[dtype] = curve(run_dir)
     for dtype in DTYPES:
         points, steps = curves[dtype], [r for r in rows[dtype] if r.get("step", 0) >= 2 and "timing_s/step" in r]
         print(f"\n{dtype}: held-out accuracy: " + ", ".join(f"step {s} {t:.0f} s {a:.3f}" for s, t, a in points))

@@ -6,8 +6,8 @@ gap, on SmolLM2 x multiply (README's command), the Qwen-vocabulary shape and the
 
 For each setup it runs train_grpo.py with --dtype fp32 and then --dtype bf16 (1 rank, vLLM, no
 validation, no checkpoints) and prints, as medians over the steps after the first: the step, its
-generation, update and weight sync with their shares, the update's MFU against the bf16 and fp32
-matmul rates measured at the start of this run, and the gap metrics (training/rollout_*). Run it on
+generation, update and weight sync with their shares, the update's MFU against its dtype's matmul
+rate (SmolLM2's MLP shape, measured at the start of this run), and the gap metrics (training/rollout_*). Run it on
 an otherwise idle machine. --prompts/--group-size shrink the batch where bf16 is emulated (a CPU
 without avx512_bf16 or AMX runs bf16 matmuls tens of times slower than fp32).
 """
@@ -18,12 +18,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from bench_vs_trl import matmul_params, matmul_rate  # noqa: E402
+
 from policy import native_bf16  # noqa: E402 (the repository's, not a package)
 
 QWEN_DIR = os.path.join(REPO, "..", "shared", "models", "qwen2.5-0.5b-instruct")
@@ -34,20 +35,6 @@ SETUPS = {
     "demo": "",
 }
 GAP = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_logprob_diff_max")
-
-
-def matmul_rate(dtype, m=2048, k=576, n=1536, repeats=5):
-    """GFLOP/s of an [m, k] x [k, n] matmul in `dtype` (SmolLM2's MLP shape), best of `repeats`."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    a @ b
-    best = min(_time(lambda: a @ b) for _ in range(repeats))
-    return 2 * m * k * n / best / 1e9
-
-
-def _time(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def qwen_vocab_model(out):
@@ -63,17 +50,10 @@ def qwen_vocab_model(out):
 
 
 def update_flops(model_dir, row, prompts, group_size):
-    """FLOPs of one update, 6 x parameters x tokens computed, from the step's mean lengths: the blocks
-    run each prompt once per group (shared prompts, the default) and every response; the head runs on
-    the response tokens only (how our trainer runs it)."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    head = c.vocab_size * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    kv = c.hidden_size * c.hidden_size // c.num_attention_heads * c.num_key_value_heads
-    attn = 2 * c.hidden_size * c.hidden_size + 2 * kv
-    blocks = c.num_hidden_layers * (mlp + attn)
+    """FLOPs of one update, 6 x matmul weights x tokens computed, from the step's mean lengths: the
+    blocks run each prompt once per group (shared prompts, the default) and every response; the head
+    runs on the response tokens only (how our trainer runs it)."""
+    blocks, head = matmul_params(model_dir)
     responses = row["response_length/mean"] * prompts * group_size
     return 6 * (blocks * (row["prompt_length/mean"] * prompts + responses) + head * responses)
 
@@ -106,8 +86,8 @@ def main():
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (README's SmolLM2 command: 8)")
     p.add_argument("--out-dir", default="runs/bf16_step")
     args = p.parse_args()
-    torch.set_num_threads(os.cpu_count())
-    rate = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
+    mlp = (2048, 576, 1536)  # SmolLM2's MLP shape
+    rate = {d: matmul_rate(os.cpu_count(), d, shape=mlp) / 1e9 for d in ("fp32", "bf16")}
     native = native_bf16(torch.device("cpu"))
     print(f"native bf16 matmuls on this CPU: {native}")
     if not native:

@@ -87,12 +87,16 @@ def test_bf16_step_counts_each_shared_prompt_once_per_group(tmp_path):
     assert bf16_step.update_flops(model, row, 8, 8) == 6 * (blocks * (8 * 40 + 64 * 10) + head * 64 * 10)
 
 
-def test_bf16_parity_reads_the_validations_and_the_time_to_a_gain():
-    import bf16_parity
+def test_bf16_parity_reads_the_validations_and_the_time_to_a_gain(tmp_path):
+    import json
 
-    rows = [{"step": 0, bf16_parity.METRIC: 0.2}]
-    rows += [{"step": s, "timing_s/step": 10.0} | ({bf16_parity.METRIC: a} if a is not None else {}) for s, a in
+    import bf16_parity
+    from lora_smollm2 import METRIC
+
+    rows = [{"step": 0, METRIC: 0.2}]
+    rows += [{"step": s, "timing_s/step": 10.0} | ({METRIC: a} if a is not None else {}) for s, a in
              [(1, None), (2, 0.45), (3, None), (4, 0.55)]]  # fmt: skip
-    points = bf16_parity.curve(rows)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    points = bf16_parity.curve(str(tmp_path))
     assert points == [(0, 0.0, 0.2), (2, 20.0, 0.45), (4, 40.0, 0.55)]
     assert bf16_parity.time_to_gain(points, 0.30) == 40.0 and bf16_parity.time_to_gain(points, 0.5) is None
