@@ -483,6 +483,8 @@ def main():
 
     mesh = init_device_mesh(device.type, (world,))
     checkpoint.die_with_launcher()  # under torchrun: no orphan worker left writing into the run directory
+    dtype, why = compute_dtype(args.dtype, device)  # resolved before the resume check: auto resumes a bf16 run
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what the config, checkpoints and export record
     resume_from, run_lock = claim_run_dir(args, rank)  # noqa: F841 (held until the process exits)
 
     # ---------------- model and data: the demo makes its own; everything is checked before the engine loads
@@ -501,8 +503,6 @@ def main():
         lora.check_targets(args.model, args.lora_target_modules)
     if args.reward_model:  # its directory is checked like the policy's, before anything loads
         reward_model.check_reward_model(args.reward_model)
-    dtype, why = compute_dtype(args.dtype, device)
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what the config, checkpoints and export record
     config = dataclasses.asdict(args)
     print0(f"compute dtype: {args.dtype} ({why})")
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))

@@ -117,3 +117,26 @@ def test_bf16_lora_on_vllm(tmp_path):
     assert rows[4]["actor/kl_loss"] > 0  # the adapters moved the policy away from its base
     assert max(r["training/rollout_probs_diff_mean"] for r in rows[1:]) < 2e-3
     assert json.load(open(tmp_path / "final_model" / "config.json"))["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_dtype_auto_resumes_its_own_run_and_a_changed_dtype_is_refused(tmp_path):
+    """--dtype auto is recorded as what it resolved to, before the resume check: rerunning the same
+    command continues the run (it was refused as 'bf16' there, 'auto' now). Another compute dtype
+    than the run's is refused unless --allow-changed dtype says so."""
+    from policy import compute_dtype
+
+    resolved = "bf16" if compute_dtype("auto", torch.device("cpu"))[0] == torch.bfloat16 else "fp32"
+    flags = ["--dtype", "auto", "--max-steps", "2", "--prompt-batch-size", "8", "--group-size", "4", "--save-freq", "1"]
+    flags += ["--test-freq", "-1", "--no-val-before-train", "--rollout", "hf"]
+    train(tmp_path, *flags, crash_at="update:2")
+    proc = train(tmp_path, *flags)
+    assert f"compute dtype: {resolved} (--dtype auto" in proc.stdout
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+    other = "fp32" if resolved == "bf16" else "bf16"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
+    more = [a if a != "2" else "3" for a in flags]  # --max-steps 3: a changed dtype is refused before it runs
+    refused = subprocess.run(
+        [*launcher, "--out-dir", str(tmp_path), *RUN, *more, "--dtype", other], cwd=REPO, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and f"--dtype: '{resolved}' there, '{other}' now" in refused.stderr
