@@ -198,7 +198,12 @@ def first_nonfinite(named):
             extremes.append(torch.stack(torch.aminmax(t.detach())).float())
     if not extremes:
         return None
-    finite = torch.stack(extremes).isfinite().all(dim=1).cpu()  # [tensors], one device sync
+    finite = torch.empty(len(extremes), dtype=torch.bool)  # [tensors]
+    on = {}  # device -> indices: with --offload the optimizer's states are in CPU memory, the weights on the GPU
+    for i, e in enumerate(extremes):
+        on.setdefault(e.device, []).append(i)
+    for idx in on.values():  # one device sync per device
+        finite[idx] = torch.stack([extremes[i] for i in idx]).isfinite().all(dim=1).cpu()
     return None if finite.all() else names[int((~finite).nonzero()[0])]
 
 
@@ -1119,6 +1124,7 @@ RESUMABLE = {
     "micro_batch_tokens",
     "share_prompts",
     "grad_checkpointing",
+    "offload",  # where the weights wait between uses; the numbers are the same
     "engine_logprobs",
     "test_freq",
     "val_before_train",

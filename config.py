@@ -174,6 +174,12 @@ class Args:
     are measured on a CPU with native bf16 (README: "Precision")."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    offload: str = "none"
+    """Keep parts of the policy in CPU memory, to fit a larger model on a GPU (verl's param_offload and
+    optimizer_offload). optimizer: AdamW's two states live in CPU memory and visit the GPU for each
+    optimizer step. params: FSDP2's CPUOffloadPolicy: the sharded parameters (and the reference's) and
+    their gradients live in CPU memory, FSDP2 copies each layer in for its forward and backward, and the
+    optimizer steps on the CPU, so its states are there too: both is the same as params. CUDA only."""
     # --- validation, logging, saving
     test_freq: int = 10
     """Validate every this many steps (-1: never)."""
@@ -256,16 +262,17 @@ CHOICES = dict(
     rollout=("auto", "vllm", "hf"),
     lr_schedule=("constant", "cosine"),
     dtype=("auto", "fp32", "bf16"),
+    offload=("none", "optimizer", "params", "both"),
     loss_agg=AGG_MODES,
     kl_kind=tuple(KL_KINDS),
 )
 
 
-def check_args(args, world=1):
+def check_args(args, world=1, cuda=None):
     """Every flag's allowed values and the constraints between flags, checked before anything loads:
     a typo should cost seconds, not an engine load and a validation pass. Returns the problems, one
     line each naming the flag and what it accepts; [] when all is well. `world` is the number of
-    ranks. A new flag gets its rule here."""
+    ranks; `cuda` whether there is a GPU (default: torch's answer). A new flag gets its rule here."""
     floats = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if f.type is float}
     not_finite = [
         f"--{name.replace('_', '-')} must be a finite number, got {v}"
@@ -274,6 +281,10 @@ def check_args(args, world=1):
     ]
     if not_finite:  # these alone: nan would also fail every comparison below
         return not_finite
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
     a = args  # short, so that each rule below fits on one line
     rules = [  # (what must hold, what to say when it does not)
         # ---- model and data: files we can look for now rather than after the model loads
@@ -368,6 +379,11 @@ def check_args(args, world=1):
         (
             a.mini_batch_size < 1 or a.mini_batch_size % world == 0,
             f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})",
+        ),
+        (
+            a.offload == "none" or cuda,
+            f"--offload {a.offload}: it moves GPU memory to the CPU, and this machine has no CUDA GPU (a CPU run "
+            "keeps everything in CPU memory already): use --offload none",
         ),
         (
             not (a.share_prompts and a.grad_checkpointing),

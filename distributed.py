@@ -34,7 +34,9 @@ def init_distributed(timeout=600.0):
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    # on GPUs, nccl for CUDA tensors and gloo for CPU ones (--offload params keeps the shards in CPU memory)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
     return rank, world, device
 
 

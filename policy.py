@@ -263,23 +263,25 @@ def load_model(path, dtype, device):
     return model.to(device)
 
 
-def shard(model, mesh, dtype=torch.float32):
+def shard(model, mesh, dtype=torch.float32, offload=False):
     """FSDP2: shard each transformer block, then the rest (embeddings, final norm, head). The
     parameters stay as loaded (fp32 master weights); with dtype bf16 FSDP2 casts them to bf16 as it
     gathers them for the forward and backward, and reduces gradients in fp32 (mixed precision, the
-    same on CPU and GPU)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    same on CPU and GPU). offload=True (--offload params, CUDA only): the shards and their gradients
+    live in pinned CPU memory, and FSDP2 copies each block to the GPU as it gathers it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if dtype == torch.bfloat16
         else MixedPrecisionPolicy()
     )
+    where = CPUOffloadPolicy() if offload else OffloadPolicy()
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=where)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=where)
     return model
 
 
@@ -320,18 +322,29 @@ def save_hf(model, tokenizer, out_dir, rank, step=None, dtype=torch.float32):
         raise failure
 
 
-def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=False, lora_args=None):
+def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=False, lora_args=None, offload=False):
     """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded
-    with fp32 master weights, computing in `dtype` (shard). With lora_args (rank, alpha, target
-    modules, dropout) the policy is a PeftModel whose base is frozen, and there is no reference
-    copy: the reference is the policy with its adapters off (reference_logprobs)."""
+    with fp32 master weights, computing in `dtype`, their shards in CPU memory with offload (shard).
+    With lora_args (rank, alpha, target modules, dropout) the policy is a PeftModel whose base is
+    frozen, and there is no reference copy: the reference is the policy with its adapters off
+    (reference_logprobs)."""
     policy = load_model(path, torch.float32, device)
     if grad_checkpointing:  # recompute activations in the backward pass: less memory, more compute
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_args:
-        return shard(lora.add_adapters(policy, *lora_args), mesh, dtype), None
+        return shard(lora.add_adapters(policy, *lora_args), mesh, dtype, offload), None
+    policy = shard(policy, mesh, dtype, offload)  # before the reference loads: with offload, the GPU holds one copy
     frozen = load_model(path, torch.float32, device).eval().requires_grad_(False) if reference else None
-    return shard(policy, mesh, dtype), None if frozen is None else shard(frozen, mesh, dtype)
+    return policy, None if frozen is None else shard(frozen, mesh, dtype, offload)
+
+
+def move_optimizer_states(optimizer, device):
+    """--offload optimizer: AdamW's moments (exp_avg, exp_avg_sq) to `device`, the GPU for the
+    optimizer step and the CPU between steps (its step counts stay where they are)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device)
 
 
 def reference_logprobs(policy, reference, *logprob_args):

@@ -74,6 +74,7 @@ from policy import (
     load_policy,
     make_batch,
     micro_batches,
+    move_optimizer_states,
     reference_logprobs,
     response_logprobs,
     save_hf,
@@ -176,7 +177,8 @@ def check_update_memory(args, policy, trained, world, ranks_here, device, kv_cac
     else:
         tokens = max(1, args.micro_batch_size // n) * unit
     per_token = activation_gib_per_token(policy, device, min(p + r, 1024))
-    states = 3 * sum(x.numel() * x.element_size() for x in trained) / world / 2**30  # grads + 2 AdamW moments
+    on_gpu = {"none": 3, "optimizer": 1, "params": 0, "both": 0}[args.offload]  # grads + 2 AdamW moments
+    states = on_gpu * sum(x.numel() * x.element_size() for x in trained) / world / 2**30
     need = per_token * tokens + states
     if need <= free or per_token <= 0:
         return
@@ -458,6 +460,10 @@ def update_policy(step, policy, optimizer, batch, adv_tokens, old_logp, ref_logp
                 print0(
                     f"step {step}: this update could make weights non-finite (lr {optimizer.param_groups[0]['lr']:.3g}); skipping it"
                 )
+            elif args.offload == "optimizer":  # the moments visit the GPU for the step only
+                move_optimizer_states(optimizer, device)
+                optimizer.step()
+                move_optimizer_states(optimizer, "cpu")
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -531,7 +537,14 @@ def main():
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
     policy, reference = load_policy(
-        args.model, mesh, device, dtype, args.grad_checkpointing, args.kl_coef > 0, lora_args
+        args.model,
+        mesh,
+        device,
+        dtype,
+        args.grad_checkpointing,
+        args.kl_coef > 0,
+        lora_args,
+        args.offload in ("params", "both"),
     )
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     reward = (reward_fn, rm)  # what score_samples needs

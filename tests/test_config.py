@@ -144,6 +144,10 @@ BAD = [
         ["--share-prompts", "--grad-checkpointing"],
         "--share-prompts needs the KV cache, which --grad-checkpointing drops",
     ),
+    (["--offload", "gpu"], "invalid choice: 'gpu'"),
+    # the suite runs on CPUs: there, every offload is refused (tests/test_offload.py: with a GPU)
+    (["--offload", "params"], "--offload params: it moves GPU memory to the CPU, and this machine has no CUDA GPU"),
+    (["--offload", "optimizer"], "--offload optimizer: it moves GPU memory to the CPU"),
 ]
 
 
