@@ -586,7 +586,8 @@ class HFEngine:
         check_model_path(model_path)
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # eval.py under torchrun: one GPU per rank
+        self.device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
         self.model = self.model.to(self.device).eval()
