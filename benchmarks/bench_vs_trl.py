@@ -692,6 +692,7 @@ def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_w
 def trl_worker(spec_path):
     """One GRPOTrainer run configured to do our step's work; writes out_dir/steps.jsonl."""
     spec = json.load(open(spec_path))
+    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, GenerationConfig, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -717,7 +718,7 @@ def trl_worker(spec_path):
     config = GRPOConfig(
         output_dir=spec["out_dir"],
         seed=spec["seed"],
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),  # benchmarks/gpu.py runs this worker on a GPU
         bf16=spec["bf16"],  # the Trainer's mixed precision: fp32 weights, autocast to bf16
         fp16=False,
         max_steps=spec["steps"],
@@ -799,7 +800,7 @@ def trl_worker(spec_path):
                 gen_tokens=clock["gen_tokens"],
                 prompt_tokens=clock["prompt_tokens"],
                 optimizer_steps=clock["optimizer_steps"],
-                rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                rss_gb=peak_memory_gib(),
             )
             steps_file.write(json.dumps(record) + "\n")
             steps_file.flush()
@@ -814,6 +815,16 @@ def trl_worker(spec_path):
     )
     trainer.train()
     steps_file.close()
+
+
+def peak_memory_gib():
+    """The process's peak memory, as train_grpo.py reports it (run_log.memory_gb): the GPU allocator's
+    peak on CUDA, the resident set on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # ----------------------------------------------------------------------------------------------

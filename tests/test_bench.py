@@ -100,3 +100,15 @@ def test_bf16_parity_reads_the_validations_and_the_time_to_a_gain(tmp_path):
     points = bf16_parity.curve(str(tmp_path))
     assert points == [(0, 0.0, 0.2), (2, 20.0, 0.45), (4, 40.0, 0.55)]
     assert bf16_parity.time_to_gain(points, 0.30) == 40.0 and bf16_parity.time_to_gain(points, 0.5) is None
+
+
+def test_gpu_benchmark_splits_a_step_into_its_phases():
+    import gpu
+
+    run = {"records": [dict(step=s, step_s=4.0, gen_s=3.0, reward_s=0.0, update_s=0.5, sync_s=0.5) for s in (1, 2, 3)]}
+    run["records"][0]["step_s"] = 99.0  # the warm-up step is dropped
+    rows = {row[0]: row[1:] for row in gpu.phase_table(run, warmup=1)}
+    assert rows["gen"] == ["3.000", "75%"] and rows["update"] == ["0.500", "12%"] and rows["whole step"][0] == "4.000"
+    assert gpu.peak({"records": [dict(rss_gb=1.0), dict(rss_gb=3.0)]}) == 3.0
+    args = gpu.parse_args(["--like", "x", "--gsm8k", "y", "--skip", "trl", "--memory", "plain"])
+    assert (args.steps, args.prompts, args.group_size, args.response_length) == (20, 16, 8, 128)
