@@ -13,17 +13,12 @@ Run it on an otherwise idle machine; a run already finished in --out-dir is read
 """
 
 import argparse
-import json
 import os
 import statistics
 
-from lora_smollm2 import curve, run  # README's SmolLM2 command, run and read the same way
+from common import held_out_curve, read_metrics, run_smollm2  # README's SmolLM2 command, as lora_smollm2.py runs it
 
 DTYPES = ("fp32", "bf16")
-
-
-def rows_of(run_dir):
-    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
 def time_to_gain(points, gain):
@@ -63,9 +58,9 @@ def main():
     rows, curves = {}, {}
     for dtype in DTYPES:
         run_dir = os.path.join(args.out_dir, dtype)
-        run(run_dir, ["--lr", "1e-5", "--dtype", dtype])
-        rows[dtype] = rows_of(run_dir)
-        curves[dtype] = curve(run_dir)
+        run_smollm2(run_dir, ["--lr", "1e-5", "--dtype", dtype])
+        rows[dtype] = read_metrics(run_dir)
+        curves[dtype] = held_out_curve(run_dir)
     for dtype in DTYPES:
         points, steps = curves[dtype], [r for r in rows[dtype] if r.get("step", 0) >= 2 and "timing_s/step" in r]
         print(f"\n{dtype}: held-out accuracy: " + ", ".join(f"step {s} {t:.0f} s {a:.3f}" for s, t, a in points))

@@ -13,18 +13,14 @@ without avx512_bf16 or AMX runs bf16 matmuls tens of times slower than fp32).
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
+from common import REPO, matmul_params, matmul_rate, read_metrics, run_train_grpo
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from bench_vs_trl import matmul_params, matmul_rate  # noqa: E402
-
 from policy import native_bf16  # noqa: E402 (the repository's, not a package)
 
 QWEN_DIR = os.path.join(REPO, "..", "shared", "models", "qwen2.5-0.5b-instruct")
@@ -66,14 +62,8 @@ def run(setup, dtype, args):
     )
     flags += f"--max-steps {args.steps} --test-freq -1 --no-val-before-train --save-freq -1 --rollout vllm".split()
     if not os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-        proc = subprocess.run(
-            [*cmd, "--out-dir", out_dir, "--dtype", dtype, *flags], cwd=REPO, capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"{setup} {dtype} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    rows = [r for r in rows if r["step"] >= 1]
+        run_train_grpo(["--out-dir", out_dir, "--dtype", dtype, *flags], f"{setup} {dtype}", cwd=REPO)
+    rows = [r for r in read_metrics(out_dir) if r["step"] >= 1]
     model = os.path.join(out_dir, "tiny_model") if setup == "demo" else flags[flags.index("--model") + 1]
     return rows[1:] or rows, model
 

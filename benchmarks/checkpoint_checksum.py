@@ -3,18 +3,15 @@
     python benchmarks/checkpoint_checksum.py                       # builds SmolLM2 first (python models.py smollm2)
     python benchmarks/checkpoint_checksum.py --model DIR --repeats 7 --out-dir /tmp/ckpt_bench
 
-One process (a world of one over gloo), the model FSDP2-wrapped as train_grpo.py wraps it and one
-AdamW step taken, so that the checkpoint holds weights and both moments: 1.6 GiB of shards. Each
-repeat saves that state twice with checkpoint.Checkpointer.save, with checksums and without
-(checkpoint.write_checksums replaced by a no-op), in alternating order, into a fresh directory
-that is deleted outside the timed region. Printed: the median save time of each and the median of
-the per-repeat ratios, the time write_checksums took inside the saves and alone on a saved
-checkpoint, and check_finite's (every save does it; it is no part of the ratio).
-
-For comparison, what the obvious alternative would cost: hashing every shard file again after the
-save (zlib.crc32 and hashlib.blake2b, 1 MiB reads, the files still in the page cache). And what the
-checks cost at resume: checkpoint.problem_with reads every record of every shard against its CRC-32.
-Run it on an otherwise idle machine: the save's time is mostly writing and fsync-ing the shards.
+One process (a world of one over gloo), the model FSDP2-wrapped as train_grpo.py wraps it and one AdamW
+step taken, so that the checkpoint holds weights and both moments: 1.6 GiB of shards. Each repeat saves
+that state with checkpoint.Checkpointer.save twice, with checksums and without (integrity.write_checksums
+replaced by a no-op), in alternating order, into a fresh directory deleted outside the timed region.
+Printed: the median save time of each, the median of the per-repeat ratios, write_checksums' time inside
+the saves and alone, and check_finite's (every save does it). For comparison: hashing every shard again
+after the save (zlib.crc32, hashlib.blake2b; 1 MiB reads from the page cache), and integrity.problem_with
+at resume, which checks every record of every shard against its CRC-32. Run it on an otherwise idle machine: a save is mostly writing
+and fsync-ing the shards.
 """
 
 import argparse
@@ -29,6 +26,8 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
+import integrity  # noqa: E402
+import safe_write  # noqa: E402
 
 
 def hash_files(paths, update, start):
@@ -101,7 +100,7 @@ def main():
     optimizer.step()  # the moments exist now: the checkpoint is the size a real one is
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer_state = {"config": {"model": args.model}}
-    with_checksums = checkpoint.write_checksums
+    with_checksums = integrity.write_checksums
 
     times, inside = {"with": [], "without": []}, []
     load = os.getloadavg()[0]
@@ -111,13 +110,13 @@ def main():
             run = os.path.join(out, f"run_{kind}")
             shutil.rmtree(run, ignore_errors=True)
             saver = checkpoint.Checkpointer(run)
-            checkpoint.write_checksums = timed(with_checksums, inside) if kind == "with" else no_checksums
+            integrity.write_checksums = timed(with_checksums, inside) if kind == "with" else no_checksums
             t = time.perf_counter()
             saver.save(1, model, optimizer, trainer_state, tokenizer)
             if repeat >= 0:
                 times[kind].append(time.perf_counter() - t)
                 print(f"repeat {repeat + 1}: save {kind} checksums {times[kind][-1]:.2f} s", flush=True)
-    checkpoint.write_checksums = with_checksums
+    integrity.write_checksums = with_checksums
     load = max(load, os.getloadavg()[0])
 
     saved = checkpoint.step_dir(os.path.join(out, "run_with"), 1)
@@ -128,11 +127,11 @@ def main():
     tensors, _ = checkpoint.split_tensors(state)
     for _ in range(args.repeats):
         timed(with_checksums, alone)(saved, 1)
-        timed(checkpoint.check_finite, finite)(checkpoint.flat_items(tensors), "", "")
+        timed(safe_write.check_finite, finite)(checkpoint.flat_items(tensors), "", "")
         crc.append(hash_files(shards, crc32_update, lambda: 0))
         blake.append(hash_files(shards, blake2b_update, lambda: hashlib.blake2b(digest_size=16)))
         t = time.perf_counter()
-        assert checkpoint.problem_with(saved) is None
+        assert integrity.problem_with(saved) is None
         verify.append(time.perf_counter() - t)
 
     save = statistics.median(times["without"])

@@ -1,27 +1,15 @@
 """Generation on SmolLM2-135M-Instruct at GSM8K length: where vLLM's CPU time goes, and our
-transformers engine on the same work (BENCHMARKS.md, issue 14 item 2).
+transformers engine on the same work (BENCHMARKS.md).
 
     python models.py smollm2 --out models/smollm2
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python benchmarks/generation_smollm2.py                       # the profile below, about 20 min
     python benchmarks/generation_smollm2.py --variants vllm,hf    # any subset, by name
 
-GSM8K training prompts x 8 samples, temperature 1, up to 256 new tokens, fp32, each variant in a
-fresh subprocess, one after the other. The variants:
-
-  vllm            our engine as train_grpo.py builds it on CPU (eager, the KV cache sized for the
-                  rollout and the free memory, the sampled token's log-prob returned), 8 prompts,
-                  2 threads
-  no-logprobs     the same without log-probs (train_grpo.py --no-engine-logprobs)
-  one-thread      the same on 1 thread: what each rank gets under torchrun with 2 ranks on 2 cores
-  big-batch       32 prompts (256 sequences), the KV cache sized as train_grpo.py does
-  big-batch-kv1   32 prompts, a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=1: our fixed size before)
-  big-batch-kv4   32 prompts, a 4 GiB KV cache (VLLM_CPU_KVCACHE_SPACE=4)
-  compiled        vLLM with torch.compile (enforce_eager=False), our other settings, 8 prompts
-  hf              our transformers engine, 8 prompts
-
-Printed per variant: start-up seconds, the KV cache's capacity in tokens, and tokens/s of each
-round (the first vLLM round includes its warm-up). Run it on an otherwise idle machine.
+GSM8K training prompts x 8 samples, temperature 1, up to 256 new tokens, fp32, each variant (VARIANTS
+says what each changes) in a fresh subprocess, one after the other. Printed per variant: start-up
+seconds, the KV cache's capacity in tokens, and tokens/s of each round (the first vLLM round includes
+its warm-up). Run it on an otherwise idle machine.
 """
 
 import argparse
@@ -30,18 +18,21 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import REPO
 
 # name: (engine, prompts, log-probs, environment)
 VARIANTS = {
+    # our engine as train_grpo.py builds it on CPU (eager, the KV cache sized for the rollout and the free
+    # memory, the sampled token's log-prob returned), 8 prompts, 2 threads
     "vllm": ("vllm", 8, True, {}),
-    "no-logprobs": ("vllm", 8, False, {}),
+    "no-logprobs": ("vllm", 8, False, {}),  # the same without log-probs (train_grpo.py --no-engine-logprobs)
+    # the same on 1 thread: what each rank gets under torchrun with 2 ranks on 2 cores
     "one-thread": ("vllm", 8, True, {"OMP_NUM_THREADS": "1"}),
-    "big-batch": ("vllm", 32, True, {}),
-    "big-batch-kv1": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "1"}),
-    "big-batch-kv4": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "4"}),
-    "compiled": ("vllm-compiled", 8, True, {}),
-    "hf": ("hf", 8, True, {}),
+    "big-batch": ("vllm", 32, True, {}),  # 32 prompts (256 sequences), the KV cache sized as train_grpo.py does
+    "big-batch-kv1": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "1"}),  # a fixed 1 GiB KV cache
+    "big-batch-kv4": ("vllm", 32, True, {"VLLM_CPU_KVCACHE_SPACE": "4"}),  # a fixed 4 GiB KV cache
+    "compiled": ("vllm-compiled", 8, True, {}),  # vLLM with torch.compile (enforce_eager=False), our other settings
+    "hf": ("hf", 8, True, {}),  # our transformers engine
 }
 DEFAULT = "vllm,no-logprobs,one-thread,big-batch-kv1,big-batch,big-batch-kv4"
 
@@ -53,7 +44,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoTokenizer
 from rollout import make_engine
-from run_log import free_memory_gib
+from memory import free_memory_gib
 kind, n_prompts, logprobs, rounds = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 tok = AutoTokenizer.from_pretrained("models/smollm2")
 rows = pq.read_table("data/gsm8k/train.parquet").to_pylist()[:n_prompts]
@@ -61,12 +52,12 @@ prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, 
                add_special_tokens=False)["input_ids"] for r in rows]
 start = time.perf_counter()
 if kind == "vllm-compiled":  # our engine's settings with CPU eager mode off: torch.compile at start-up
-    import rollout
+    import vllm_engine
     from vllm import LLM, SamplingParams
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     llm = LLM(model="models/smollm2", dtype="float32", max_model_len=1024, seed=0, enforce_eager=False,
-              logprobs_mode="processed_logprobs", **rollout.cpu_scheduling(False, 1024), log_level="WARNING")
+              logprobs_mode="processed_logprobs", **vllm_engine.cpu_scheduling(False, 1024), log_level="WARNING")
     def generate(seed):
         sp = SamplingParams(n=8, temperature=1.0, max_tokens=256, logprobs=0 if logprobs else None, seed=seed)
         return [list(c.token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False) for c in o.outputs]

@@ -8,19 +8,10 @@ model against TRL's GRPOTrainer doing the same work, peak memory with and withou
 The model is Qwen2.5-0.5B's config with random weights and the real tokenizer and chat template
 (models.build_random_model): 494M parameters, the 151,936-row tied head. Random weights write no EOS,
 so every answer runs to --response-length and both systems do the same work per step. Every run is a
-fresh process, started as a user starts it (bench_vs_trl.py's runners): ours under torchrun with the
-transformers engine (`--rollout hf`; no vLLM on this image) in bf16, TRL's GRPOTrainer with bf16=True
-and model.generate, the same prompts in the same order, no KL term, one optimizer step per rollout.
-
-What runs, in order; a run that fails is reported and the rest go on (on an H100: ours 4 min, TRL
-1.5 min, each memory run 1 to 2 min; --skip and --memory choose):
-  1. the bf16 matmul rate, at 8192^3 and at the model's MLP shape (CUDA events, median);
-  2. ours, --steps steps, validating every --steps // 2, the final model saved; then eval.py on that
-     final model (the transformers engine on CUDA, standalone);
-  3. TRL, --trl-steps steps of the same work;
-  4. peak memory: ours for --memory-steps steps, plain, with --offload optimizer, with --offload
-     params, with --grad-checkpointing (alone and with --offload params), and with LoRA;
-  5. resume: the --offload optimizer run (a checkpoint every step) continued one more step.
+fresh process, started as a user starts it (runners.py): ours under torchrun with the transformers
+engine (`--rollout hf`; no vLLM on this image) in bf16, TRL's GRPOTrainer with bf16=True and
+model.generate, the same prompts in the same order, no KL term, one optimizer step per rollout. The
+comment above main() lists what runs, in order; a run that fails is reported and the rest go on.
 """
 
 import argparse
@@ -34,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from bench_vs_trl import fresh_dir, matmul_params, print_table, prompts_for, run_process, run_trl, update_mfu  # noqa: E402
+from common import fresh_dir, matmul_params, print_table, run_process, update_mfu  # noqa: E402
+from runners import prompts_for, run_trl  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -67,7 +59,7 @@ def matmul_rates(dtype, shapes):
 
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     if not torch.cuda.is_available():
-        from bench_vs_trl import matmul_rate
+        from common import matmul_rate
 
         return {shape: matmul_rate(os.cpu_count(), dtype, shape) for shape in shapes}
     rates = {}
@@ -113,7 +105,7 @@ def build_model(args):
 
 def run_ours(args, model_dir, name, steps, flags=(), out_dir=None):
     """train_grpo.py under torchrun on one GPU. Returns dict(ok, error, log, records, metrics): the
-    per-step records in bench_vs_trl's shape, and the raw metrics lines."""
+    per-step records in runners.run_ours' shape, and the raw metrics lines."""
     run_dir = os.path.join(args.work_dir, "runs", name)
     if out_dir is None:
         fresh_dir(run_dir)
@@ -191,6 +183,15 @@ def phase_table(run, warmup):
     return rows
 
 
+# What runs, in order; a run that fails is reported and the rest go on (on an H100: ours 4 min, TRL
+# 1.5 min, each memory run 1 to 2 min; --skip and --memory choose):
+#   1. the bf16 matmul rate, at 8192^3 and at the model's MLP shape (CUDA events, median);
+#   2. ours, --steps steps, validating every --steps // 2, the final model saved; then eval.py on that
+#      final model (the transformers engine on CUDA, standalone);
+#   3. TRL, --trl-steps steps of the same work;
+#   4. peak memory: ours for --memory-steps steps, plain, with --offload optimizer, with --offload
+#      params, with --grad-checkpointing (alone and with --offload params), and with LoRA;
+#   5. resume: the --offload optimizer run (a checkpoint every step) continued one more step.
 def main():
     args = parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -289,7 +290,7 @@ def main():
             probe_steps=0,
         )
         train = os.path.join(args.gsm8k, "train.parquet")
-        prompts_for(trl_args, train, 0)
+        prompts_for(trl_args, train, 0, trl_args.steps)
         t = time.perf_counter()
         run = run_trl(
             trl_args,

@@ -4,33 +4,30 @@ logits (the plain path) against the fused head (loss.head_logprobs_entropy), for
     python benchmarks/head_logprobs.py [--like ../shared/models/qwen2.5-0.5b-instruct] [--repeats 7]
 
 The model is the config of --like (Qwen2.5: 151,936 vocabulary rows, tied head) at hidden size 128
-and 2 layers with random weights, as in issue 14's measurement: 16 sequences of 114 prompt + 48
-response tokens. Each path computes the same loss, sum(logp) + 0.01 x sum(entropy) over the response
-tokens, and its backward. Printed: the median seconds of each path (interleaved, after one warm-up),
-the ratio, the update's MFU (the model's FLOPs against the measured fp32 matmul rate; the fused
-head's recomputation is not counted as useful), and the largest difference between the two paths' gradients. Then
-the entropy's cost in the fused head: the loss sum(logp) with no entropy computed (as the old and
-reference log-probs run), with the entropy computed and logged (the default update), and with its
-gradient (an entropy bonus). Then, over response lengths, the bytes each path holds for its
-backward (the parameters excluded).
+and 2 layers with random weights: 16 sequences of 114 prompt + 48 response tokens. Each path
+computes the same loss, sum(logp) + 0.01 x sum(entropy) over the response tokens, and its backward.
+Printed: the median seconds of each path (interleaved, after one warm-up), the ratio, the update's
+MFU (the model's FLOPs against the measured fp32 matmul rate; the fused head's recomputation is not
+counted as useful), and the largest difference between the two paths' gradients. Then the entropy's
+cost in the fused head: the loss sum(logp) with no entropy computed (as the old and reference
+log-probs run), with the entropy computed and logged (the default update), and with its gradient
+(an entropy bonus). Then, over response lengths, the bytes each path holds for its backward (the
+parameters excluded).
 """
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+from common import REPO, matmul_rate  # the same measurement as the TRL benchmark's
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 import policy  # noqa: E402
 from loss import entropy_from_logits, logprobs_from_logits  # noqa: E402
 from models import build_random_model  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_vs_trl import matmul_rate  # noqa: E402 (the same measurement as the TRL benchmark's)
 
 CPU = torch.device("cpu")
 

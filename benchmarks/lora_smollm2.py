@@ -12,47 +12,20 @@ Run it on an otherwise idle machine; a run already finished in --out-dir is read
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import REPO, held_out_curve, read_metrics, run_smollm2
+
+sys.path.insert(0, REPO)
 import checkpoint  # noqa: E402 (the repository's, not a package)
-
-COMMAND = (
-    "--model models/smollm2 --train-data data/multiply/train.parquet --val-data data/multiply/test.parquet "
-    "--prompt-batch-size 8 --mini-batch-size 8 --group-size 8 --max-prompt-length 128 --max-response-length 32 "
-    "--kl-coef 0 --epochs 2 --test-freq 3"
-).split()
-METRIC = "val-core/synthetic/multiply/reward/mean@1"
-
-
-def run(run_dir, flags):
-    if os.path.isfile(os.path.join(run_dir, "final_model", "model.safetensors")):
-        print(f"{run_dir}: finished before, reading it")
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    proc = subprocess.run([*cmd, "--out-dir", run_dir, *COMMAND, *flags], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir} failed:\n{proc.stderr[-4000:]}")
-
-
-def curve(run_dir):
-    """[(step, training seconds so far, held-out accuracy)] at every validation."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    out, elapsed = [], 0.0
-    for r in rows:
-        elapsed += r.get("timing_s/step", 0.0)
-        if METRIC in r:
-            out.append((r["step"], elapsed, r[METRIC]))
-    return out
+import integrity  # noqa: E402
 
 
 def phases(run_dir):
     """Median seconds per step of the phases that LoRA changes."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+    rows = read_metrics(run_dir)[1:]
     keys = ("step", "gen", "ref", "update_actor", "update_weights")
     return {k: statistics.median(r.get(f"timing_s/{k}", 0.0) for r in rows) for k in keys}
 
@@ -61,7 +34,7 @@ def sizes(run_dir):
     """(optimizer state bytes, checkpoint directory bytes) of the run's newest checkpoint."""
     step = max(checkpoint.saved_steps(run_dir))
     path = checkpoint.step_dir(run_dir, step)
-    index = checkpoint.read_index(os.path.join(path, "shards", ".metadata"))
+    index = integrity.read_index(os.path.join(path, "shards", ".metadata"))
     optim = 0
     for key, meta in index.state_dict_metadata.items():
         if key.startswith("optim.") and hasattr(meta, "size"):
@@ -83,8 +56,8 @@ def main():
     args = parser.parse_args()
     flags = {"full": ["--lr", args.full_lr], "lora": ["--lr", args.lora_lr, "--lora-rank", str(args.lora_rank)]}
     for name in args.only.split(","):
-        run(os.path.join(args.out_dir, name), flags[name])
-    curves = {name: curve(os.path.join(args.out_dir, name)) for name in flags}
+        run_smollm2(os.path.join(args.out_dir, name), flags[name])
+    curves = {name: held_out_curve(os.path.join(args.out_dir, name)) for name in flags}
     for name, points in curves.items():
         print(f"{name} ({' '.join(flags[name])}): " + ", ".join(f"step {s} {t:.0f} s {a:.3f}" for s, t, a in points))
     full, lora = curves["full"], curves["lora"]

@@ -10,11 +10,11 @@ than it trains on), and the whole command's wall time. Run it on an otherwise id
 """
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import time
+
+from common import TRAIN_GRPO, read_metrics
 
 RECIPES = {
     "grpo": [],
@@ -30,7 +30,7 @@ METRIC = "val-core/synthetic/digits/reward/mean@1"
 
 
 def summary(run_dir, wall):
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = read_metrics(run_dir)
     acc = {r["step"]: r[METRIC] for r in rows if METRIC in r}
     elapsed, prompts, reached = 0.0, 0, None
     for r in rows:
@@ -53,10 +53,8 @@ def main():
     names = args.only.split(",") if args.only else list(RECIPES)
     for name in names:
         run_dir = os.path.join(args.out_dir, name)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-        cmd += ["--out-dir", run_dir, *RECIPES[name]]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run([*TRAIN_GRPO, "--out-dir", run_dir, *RECIPES[name]], capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)
             continue

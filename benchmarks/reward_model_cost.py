@@ -12,24 +12,22 @@ two settings. Run it on an otherwise idle machine.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data_prep  # noqa: E402
+from common import REPO, read_metrics, run_train_grpo
+
+sys.path.insert(0, REPO)
 from models import build_random_model, build_tiny_model  # noqa: E402
+from tasks.digits import TASK_WORDS  # noqa: E402
 
 
 def run(run_dir, steps, flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    cmd += ["--out-dir", run_dir, "--max-steps", str(steps), "--test-freq", "-1", "--save-freq", "-1", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_dir} failed:\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]  # step 1 warms up
+    run_train_grpo(
+        ["--out-dir", run_dir, "--max-steps", str(steps), "--test-freq", "-1", "--save-freq", "-1", *flags], run_dir
+    )
+    rows = read_metrics(run_dir)[1:]  # step 1 warms up
     return statistics.median(r["timing_s/step"] for r in rows), statistics.median(r["timing_s/reward"] for r in rows)
 
 
@@ -39,7 +37,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    tiny = build_tiny_model(os.path.join(args.out_dir, "tiny"), data_prep.TASK_WORDS)
+    tiny = build_tiny_model(os.path.join(args.out_dir, "tiny"), TASK_WORDS)
     rm = build_random_model(os.path.join(args.out_dir, "rm"), tiny, seed=1, reward_model=True)
     # weight 0: the model scores every sample (and is logged) but leaves the reward as it is, so both
     # settings train the same policy on the same samples and differ by the model's cost alone

@@ -1,5 +1,6 @@
-"""benchmarks/bench_vs_trl.py: its checks and statistics. The benchmark itself needs TRL
-(benchmarks/requirements-bench.txt) and a quiet machine, so the suite does not run it."""
+"""benchmarks/: the shared statistics (common.py), the checks of bench_vs_trl.py and sweep_ours.py and
+their runners. The benchmarks themselves need TRL (benchmarks/requirements-bench.txt) and a quiet
+machine, so the suite does not run them."""
 
 import os
 import sys
@@ -8,35 +9,40 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_vs_trl as bench  # noqa: E402
+import common  # noqa: E402
+import runners  # noqa: E402
+import sweep_ours  # noqa: E402
 
 
 def test_the_peer_is_pinned():
-    pins = bench.pinned_peer()
+    pins = runners.pinned_peer()
     assert pins["trl"] == "1.16.0" and "torch" not in pins  # torch is ours: requirements-cpu.txt pins it
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    "script, argv, message",
     [
-        (["--hidden", "100"], "--hidden must be a positive multiple of 64"),
-        (["--group-size", "1"], "--group-size must be at least 2"),
-        (["--steps", "5", "--warmup", "5"], "--steps (5) must be larger than --warmup (5)"),
-        (["--trl-engines", "generate,sglang"], "unknown ['sglang']"),
-        (["--sweep-n", "4,eight"], "expected comma-separated integers"),
-        (["--trl-passes", "3"], "every --trl-passes value must divide the completions per step, 128"),
+        (bench, ["--hidden", "100"], "--hidden must be a positive multiple of 64"),
+        (bench, ["--group-size", "1"], "--group-size must be at least 2"),
+        (bench, ["--steps", "5", "--warmup", "5"], "--steps (5) must be larger than --warmup (5)"),
+        (bench, ["--trl-engines", "generate,sglang"], "unknown ['sglang']"),
+        (bench, ["--trl-passes", "3"], "every --trl-passes value must divide the completions per step, 128"),
+        (sweep_ours, ["--sweep-n", "4,eight"], "expected comma-separated integers"),
+        (sweep_ours, ["--sweep-n", "1"], "every --sweep-n value must be at least 2"),
+        (sweep_ours, ["--steps", "5"], "--steps (5) must be larger than --warmup (5)"),
     ],
 )
-def test_bad_settings_are_refused_with_the_reason(argv, message, capsys):
+def test_bad_settings_are_refused_with_the_reason(script, argv, message, capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(argv)
+        script.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_statistics_of_kept_steps():
     run = {"records": [{"step": s, "step_s": float(s)} for s in range(1, 8)]}
-    kept = [r["step_s"] for r in bench.kept(run, warmup=2)]
+    kept = [r["step_s"] for r in common.kept(run, warmup=2)]
     assert kept == [3.0, 4.0, 5.0, 6.0, 7.0]
-    assert bench.stats(kept) == dict(median=5.0, p25=4.0, p75=6.0, min=3.0, max=7.0, count=5)
+    assert common.stats(kept) == dict(median=5.0, p25=4.0, p75=6.0, min=3.0, max=7.0, count=5)
 
 
 def test_matmul_weights_count_the_tied_head_apart_and_not_the_lookup(tmp_path):
@@ -45,26 +51,26 @@ def test_matmul_weights_count_the_tied_head_apart_and_not_the_lookup(tmp_path):
     model = build_tiny_model(str(tmp_path / "m"), ["a", "b", "c"], hidden=128, layers=2, heads=2, intermediate=512)
     vocab = 7 + 3  # the special tokens and the words
     per_layer = 4 * 128 * 128 + 3 * 128 * 512  # q, k, v, o and the gated MLP
-    assert bench.matmul_params(model) == (2 * per_layer, vocab * 128)
+    assert common.matmul_params(model) == (2 * per_layer, vocab * 128)
 
 
 def test_update_mfu_is_model_flops_over_time_over_the_machine_rate():
     steps = [{"step": s, "prompt_tokens": 1000, "gen_tokens": 3000, "update_s": 2.0} for s in range(1, 5)]
-    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
+    out = common.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
     assert out["tokens"] == 4000 and out["gflop"] == 24.0 and out["gflops"] == 12.0 and out["mfu"] == 0.5
     # the head multiplies only the answer's tokens: 6 x 2M x 3000 more FLOPs, not 6 x 2M x 4000
-    out = bench.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 2_000_000), rate=24e9)
+    out = common.update_mfu([{"records": steps}], warmup=1, n_matmul=(1_000_000, 2_000_000), rate=24e9)
     assert out["gflop"] == 24.0 + 36.0 and out["gflops"] == 30.0 and out["mfu"] == 1.25
     # shared prompts: the update computes each prompt once per group (here 250 of the 1000 tokens)
     shared = [dict(s, update_prompt_tokens=250) for s in steps]
-    out = bench.update_mfu([{"records": shared}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
+    out = common.update_mfu([{"records": shared}], warmup=1, n_matmul=(1_000_000, 0), rate=24e9)
     assert out["tokens"] == 3250 and out["gflop"] == 19.5
 
 
 def test_the_gsm8k_setups_say_how_to_build_what_they_need(tmp_path):
     args = bench.parse_args(["--setup", "smollm2", "--gsm8k", str(tmp_path / "nothing")])
     with pytest.raises(SystemExit, match="python data_prep.py gsm8k"):
-        bench.prepare_inputs(args)
+        runners.prepare_inputs(args)
 
 
 def test_bf16_is_asked_of_both_sides_and_fp16_refused(capsys):
@@ -91,13 +97,13 @@ def test_bf16_parity_reads_the_validations_and_the_time_to_a_gain(tmp_path):
     import json
 
     import bf16_parity
-    from lora_smollm2 import METRIC
+    from common import SMOLLM2_METRIC as METRIC
 
     rows = [{"step": 0, METRIC: 0.2}]
     rows += [{"step": s, "timing_s/step": 10.0} | ({METRIC: a} if a is not None else {}) for s, a in
              [(1, None), (2, 0.45), (3, None), (4, 0.55)]]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    points = bf16_parity.curve(str(tmp_path))
+    points = common.held_out_curve(str(tmp_path))
     assert points == [(0, 0.0, 0.2), (2, 20.0, 0.45), (4, 40.0, 0.55)]
     assert bf16_parity.time_to_gain(points, 0.30) == 40.0 and bf16_parity.time_to_gain(points, 0.5) is None
 
