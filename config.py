@@ -1,11 +1,11 @@
 """The run's flags: one dataclass, a docstring under every field (they become --help), and the
-checks between them, made before anything loads.
+checks on them, made before anything loads: a typo should cost seconds, not an engine load.
 
     python train_grpo.py --help
 
-Args' defaults are verl's GRPO defaults; DEMO_OVERRIDES replaces some of them for the tiny demo model.
-A new flag is a field here (with its docstring) and, when some values are wrong, a rule in check_args.
-"""
+Args' defaults are verl's GRPO defaults; DEMO_OVERRIDES replaces some for the tiny demo model. A new
+flag is a field with its docstring; the range of its values goes next to it (see rule), and a
+constraint between flags (or on files, ranks, the GPU) goes in check_args."""
 
 import argparse
 import ast
@@ -20,6 +20,17 @@ from dataclasses import dataclass
 import health
 from advantage import ADV_ESTIMATORS
 from loss import AGG_MODES, KL_KINDS, LOSS_MODES
+
+
+def rule(default, must_be, ok):
+    """A field whose values must pass ok(value): otherwise check_args says "--flag must be <must_be>, got <value>"."""
+    return dataclasses.field(default=default, metadata=dict(must_be=must_be, ok=ok))
+
+
+def one_of(default, choices):
+    """A field with a fixed set of values, exactly those the code consumes: --help lists them, argparse
+    refuses anything else, and so does check_args (for an Args built in code)."""
+    return dataclasses.field(default=default, metadata=dict(choices=choices))
 
 
 @dataclass
@@ -39,10 +50,10 @@ class Args:
     reward_weights: str = ""
     """Comma-separated weights, one per --reward-fn (TRL's reward_weights); empty: all 1. Each function's
     score is logged as reward_extra/<file>.<function>/mean."""
-    reward_errors: str = "raise"
+    reward_errors: str = one_of("raise", ("raise", "skip"))
     """A reward function that raises, exits, times out or returns no number: raise stops the run naming the
     step and sample; skip scores that sample 0, warns, and counts it in reward/errors (validation too)."""
-    reward_timeout: float = 300.0
+    reward_timeout: float = rule(300.0, "> 0 seconds", lambda v: v > 0)
     """Seconds one --reward-fn call may take before it counts as a reward error (its worker process is killed)."""
     reward_model: str = ""
     """A learned reward model (reward_model.py): a Hugging Face sequence classifier with one output,
@@ -52,42 +63,47 @@ class Args:
     reward_model_only: bool = False
     """The reward is this weight x the reward model's score alone; the rule reward is still logged
     (reward_extra/rule/mean) and still scores validation."""
-    seed: int = 0
+    seed: int = rule(0, "in [0, 2**32) (numpy's seed range)", lambda v: 0 <= v < 2**32)
     """Seed for data order, sampling and the tiny model."""
     # --- schedule
-    epochs: int = 1
+    epochs: int = rule(1, ">= 1", lambda v: v >= 1)
     """Passes over the training data."""
-    max_steps: int = -1
+    max_steps: int = rule(-1, ">= 1, or -1 to run all --epochs", lambda v: v == -1 or v >= 1)
     """Stop after this many steps (-1: run all epochs)."""
-    prompt_batch_size: int = 256
+    prompt_batch_size: int = rule(256, ">= 1", lambda v: v >= 1)
     """Prompts per step, over all ranks (verl's data.train_batch_size)."""
-    group_size: int = 8
+    # with n = 1 there is no baseline: advantage.py falls back to the raw reward and the health monitor misreads it
+    group_size: int = rule(8, ">= 2: GRPO scores each response against the others to its prompt", lambda v: v >= 2)
     """Responses sampled per prompt, n >= 2 (verl's rollout.n, TRL's num_generations). Not --n: torchrun takes that for its own --nnodes."""
-    max_prompt_length: int = 512
+    max_prompt_length: int = rule(512, ">= 1", lambda v: v >= 1)
     """Longer prompts are dropped from the data, with a printed count."""
-    max_response_length: int = 1024
+    max_response_length: int = rule(1024, ">= 1", lambda v: v >= 1)
     """Maximum new tokens per response; longer ones are truncated (response_length/clip_ratio)."""
     # --- rollout
-    rollout: str = "auto"
+    rollout: str = one_of("auto", ("auto", "vllm", "hf"))  # rollout.make_engine
     """Generation engine: vllm, hf (transformers), or auto (vllm when importable)."""
-    temperature: float = 1.0
+    temperature: float = rule(
+        1.0,
+        "> 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0)",
+        lambda v: v > 0,
+    )
     """Sampling temperature for training rollouts, > 0; the trainer's log-probs use it too."""
-    top_p: float = 1.0
+    top_p: float = rule(1.0, "in (0, 1]", lambda v: 0 < v <= 1)
     """Nucleus sampling for training rollouts, in (0, 1]."""
-    top_k: int = -1
+    top_k: int = rule(-1, ">= 1, or -1 for off", lambda v: v == -1 or v >= 1)
     """Top-k sampling for training rollouts (-1: off)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = rule(0.5, "in (0, 1]", lambda v: 0 < v <= 1)
     """Share of GPU memory vLLM may take (CUDA only)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = rule(1, ">= 1", lambda v: v >= 1)
     """vLLM tensor parallel size (CUDA only)."""
     # --- update
-    ppo_epochs: int = 1
+    ppo_epochs: int = rule(1, ">= 1", lambda v: v >= 1)
     """Passes over each step's rollouts."""
-    mini_batch_size: int = 64
+    mini_batch_size: int = rule(64, ">= 1", lambda v: v >= 1)
     """Prompts per optimizer step, over all ranks (verl's ppo_mini_batch_size)."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = rule(16, ">= 1", lambda v: v >= 1)
     """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = rule(0, ">= 0 (0: off)", lambda v: v >= 0)
     """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
     per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu); with
     --share-prompts, whole groups, each prompt counted once."""
@@ -96,57 +112,61 @@ class Args:
     its KV cache, instead of once per response: the same numbers (to float rounding) for fewer tokens.
     Micro-batches then hold whole groups (at least one). Off by default with --grad-checkpointing,
     which drops the cache."""
-    lr: float = 1e-6
+    lr: float = rule(1e-6, ">= 0", lambda v: v >= 0)
     """Peak AdamW learning rate (0 freezes the policy: a baseline or a test). With --lora-rank, about 10x
     what full fine-tuning would use."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = one_of("constant", ("constant", "cosine"))  # train_grpo.lr_factor
     """constant or cosine, after warmup."""
-    warmup_steps: int = 0
+    warmup_steps: int = rule(0, ">= 0", lambda v: v >= 0)
     """Linear warmup steps."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = rule(0.0, "in [0, 1]", lambda v: 0 <= v <= 1)
     """Cosine schedule's final lr as a fraction of the peak, in [0, 1]."""
-    weight_decay: float = 0.01
+    weight_decay: float = rule(0.01, ">= 0", lambda v: v >= 0)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = rule(1.0, "> 0", lambda v: v > 0)
     """Clip the gradient norm to this; a non-finite norm skips the step."""
-    clip_low: float = 0.2
+    clip_low: float = rule(0.2, "in (0, 1): the ratio is clipped below at 1 - clip_low", lambda v: 0 < v < 1)
     """Clip ratio below 1 (PPO's epsilon), in (0, 1)."""
-    clip_high: float = 0.2
+    clip_high: float = rule(0.2, "> 0", lambda v: v > 0)
     """Clip ratio above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
-    clip_c: float = 3.0
+    clip_c: float = rule(3.0, "> 1 for the dual clip to bound anything", lambda v: v > 1)
     """Dual-clip bound for negative advantages, > 1."""
-    loss_agg: str = "token-mean"
+    loss_agg: str = one_of("token-mean", AGG_MODES)
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (loss.agg_loss)."""
-    loss_scale_factor: float = 0.0
+    loss_scale_factor: float = rule(0.0, "> 0, or 0 for --max-response-length", lambda v: v >= 0)
     """seq-mean-token-sum-norm (Dr. GRPO) divides the mean of the sequences' token sums by this constant
     (verl's loss_scale_factor); 0: --max-response-length."""
-    kl_coef: float = 0.001
+    kl_coef: float = rule(0.001, ">= 0 (0: no KL loss)", lambda v: v >= 0)
     """Weight of the KL loss to the frozen reference; 0 skips the reference model."""
-    kl_kind: str = "k3"
+    kl_kind: str = one_of("k3", tuple(KL_KINDS))
     """KL estimator: k1, abs, k2, k3 (or verl's kl, mse, low_var_kl)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = rule(0.0, ">= 0 (0: no bonus)", lambda v: v >= 0)
     """Weight of an entropy bonus (verl's entropy_coeff)."""
     norm_adv_by_std: bool = True
     """Divide advantages by the group std (GRPO); off: Dr. GRPO."""
-    tis_cap: float = 0.0
+    tis_cap: float = rule(
+        0.0,
+        ">= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off",
+        lambda v: v == 0 or v >= 1,
+    )
     """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap), cap >= 1; 0: off."""
     # --- the GRPO family: what verl and TRL users switch between (README: "Recipes")
-    adv_estimator: str = "grpo"
+    adv_estimator: str = one_of("grpo", ADV_ESTIMATORS)
     """Advantages (verl's algorithm.adv_estimator): grpo, rloo (leave-one-out baseline) or
     reinforce_plus_plus_baseline (group baseline, whitened over the batch's tokens)."""
-    loss_mode: str = "vanilla"
+    loss_mode: str = one_of("vanilla", LOSS_MODES)
     """Policy loss: vanilla (PPO's clipped surrogate per token) or gspo (one ratio per sequence; give it its own
     clip range, e.g. --clip-low 3e-4 --clip-high 4e-4, and it aggregates with seq-mean-token-mean)."""
     filter_groups: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the step
     holds --prompt-batch-size informative groups."""
-    max_gen_batches: int = 10
+    max_gen_batches: int = rule(10, ">= 1", lambda v: v >= 1)
     """With --filter-groups: at most this many rollouts per step; then the step trains on the informative groups it
     has, repeated to fill the batch, and says so (filter/*)."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong punishment: a response within this many tokens of --max-response-length loses up to
     --overlong-penalty-factor, linearly (0: off)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = rule(1.0, ">= 0", lambda v: v >= 0)
     """The most a response at --max-response-length loses to the overlong punishment."""
     mask_truncated: bool = False
     """Truncated responses count for nothing in the loss (TRL's mask_truncated_completions)."""
@@ -154,46 +174,45 @@ class Args:
     """Have the engine return each sampled token's log-prob, for the engine-vs-trainer gap
     (training/rollout_*) and --tis-cap. Off: vLLM generation takes about a fifth less time on CPU; no gap metrics."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
-    lora_rank: int = 0
+    lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
     (SmolLM2's example: 1e-4 instead of 1e-5)."""
-    lora_alpha: float = 32.0
+    lora_alpha: float = rule(32.0, "> 0", lambda v: v > 0)
     """LoRA alpha: the adapters' output is scaled by alpha / r (verl's examples use 32)."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names that get adapters (e.g. q_proj,v_proj); all-linear: every linear layer of
     the blocks, not the LM head."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = rule(0.0, "in [0, 1)", lambda v: 0 <= v < 1)
     """Dropout on the adapters' input. Above 0 the trainer's log-probs are no longer the engine's
     sampling distribution, so the PPO ratio starts away from 1."""
     # --- precision and memory
-    dtype: str = "fp32"
+    dtype: str = one_of("fp32", ("auto", "fp32", "bf16"))
     """The compute dtype of the policy, the engine, the reference and a reward model. bf16: FSDP2 mixed
     precision (bf16 forward and backward; fp32 master weights, optimizer states and gradient reduction),
     the same code on CPU and GPU. auto: bf16 on CUDA and on CPUs with native bf16 matmuls (avx512_bf16 or
-    AMX), else fp32. The run says which at start-up. fp32 stays the default until bf16's speed and learning
-    are measured on a CPU with native bf16 (README: "Precision")."""
+    AMX), else fp32. The run says which at start-up. Why fp32 stays the default: docs/precision.md."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    offload: str = "none"
+    offload: str = one_of("none", ("none", "optimizer", "params", "both"))
     """Keep parts of the policy in CPU memory, to fit a larger model on a GPU (verl's param_offload and
     optimizer_offload). optimizer: AdamW's two states live in CPU memory and visit the GPU for each
     optimizer step. params: FSDP2's CPUOffloadPolicy: the sharded parameters (and the reference's) and
     their gradients live in CPU memory, FSDP2 copies each layer in for its forward and backward, and the
     optimizer steps on the CPU, so its states are there too: both is the same as params. CUDA only."""
     # --- validation, logging, saving
-    test_freq: int = 10
+    test_freq: int = rule(10, ">= 1, or -1 for never", lambda v: v == -1 or v >= 1)
     """Validate every this many steps (-1: never)."""
     val_before_train: bool = True
     """Validate once before the first step."""
-    val_temperature: float = 0.0
+    val_temperature: float = rule(0.0, ">= 0 (0: greedy)", lambda v: v >= 0)
     """Validation sampling temperature (0: greedy)."""
-    val_max_prompts: int = -1
+    val_max_prompts: int = rule(-1, ">= 1, or -1 for all", lambda v: v == -1 or v >= 1)
     """Validate on at most this many prompts (-1: all)."""
-    val_n: int = 1
+    val_n: int = rule(1, ">= 1", lambda v: v >= 1)
     """Validation samples per prompt: mean@n headlines, with std@n, best@k, worst@k, maj@k, pass@k (eval.py)."""
     early_stop_metric: str = ""
     """Stop when this validation metric (e.g. val-core/openai/gsm8k/reward/mean@1) stops improving; empty: off."""
-    early_stop_patience: int = 3
+    early_stop_patience: int = rule(3, ">= 1", lambda v: v >= 1)
     """Validations without improvement before stopping; the best policy is saved to <out-dir>/best_model."""
     logger: str = "console,jsonl"
     """Where metrics go, comma-separated (verl's trainer.logger): console (the progress bar and a line per
@@ -206,22 +225,22 @@ class Args:
     """Let vLLM print its start-up configuration and per-step messages (off: only its warnings and errors)."""
     save_model: bool = True
     """Save the final policy in Hugging Face format to <out-dir>/final_model."""
-    save_freq: int = 50
+    save_freq: int = rule(50, ">= 1, or -1 for no checkpoints", lambda v: v == -1 or v >= 1)
     """Checkpoint every this many steps and after the last one (-1: no checkpoints)."""
-    max_ckpt_to_keep: int = -1
+    max_ckpt_to_keep: int = rule(-1, ">= 1, or -1 for all", lambda v: v == -1 or v >= 1)
     """Keep only the newest this many checkpoints (-1: all); older ones go once a newer one is complete."""
     health_bands: str = ""
     """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (health.Bands)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
-    collective_timeout: float = 600.0
+    collective_timeout: float = rule(600.0, "> 0 seconds", lambda v: v > 0)
     """Seconds a rank waits for the others in a collective before the run stops with a message (a dead or
     stuck peer); raise it if ranks legitimately wait longer, e.g. for rank 0 writing a large model."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
     allow_changed: str = ""
     """Comma-separated flags (e.g. lr,kl_coef) that may differ from the run's when resuming it; the new
-    values apply from the resumed step. Other differences are refused (checkpoint.RESUMABLE lists the
+    values apply from the resumed step. Other differences are refused (run_dir.RESUMABLE lists the
     flags that may always change: paths, logging, saving, how long to run)."""
 
 
@@ -253,31 +272,15 @@ def field_docs(cls):
     }
 
 
-# Flags with a fixed set of values: exactly those the code consumes (rollout.make_engine,
-# train_grpo.lr_factor, loss.agg_loss, loss.kl_penalty). --help lists them; argparse refuses anything else.
-CHOICES = dict(
-    reward_errors=("raise", "skip"),
-    adv_estimator=ADV_ESTIMATORS,
-    loss_mode=LOSS_MODES,
-    rollout=("auto", "vllm", "hf"),
-    lr_schedule=("constant", "cosine"),
-    dtype=("auto", "fp32", "bf16"),
-    offload=("none", "optimizer", "params", "both"),
-    loss_agg=AGG_MODES,
-    kl_kind=tuple(KL_KINDS),
-)
-
-
 def check_args(args, world=1, cuda=None):
-    """Every flag's allowed values and the constraints between flags, checked before anything loads:
-    a typo should cost seconds, not an engine load and a validation pass. Returns the problems, one
-    line each naming the flag and what it accepts; [] when all is well. `world` is the number of
-    ranks; `cuda` whether there is a GPU (default: torch's answer). A new flag gets its rule here."""
-    floats = {f.name: getattr(args, f.name) for f in dataclasses.fields(Args) if f.type is float}
+    """Every flag's allowed values and the constraints between flags, checked before anything loads.
+    Returns the problems, one line each naming the flag and what it accepts; [] when all is well.
+    `world` is the number of ranks; `cuda` whether there is a GPU (default: torch's answer)."""
+    fields = dataclasses.fields(Args)
     not_finite = [
-        f"--{name.replace('_', '-')} must be a finite number, got {v}"
-        for name, v in floats.items()
-        if not math.isfinite(v)
+        f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}"
+        for f in fields
+        if f.type is float and not math.isfinite(getattr(args, f.name))
     ]
     if not_finite:  # these alone: nan would also fail every comparison below
         return not_finite
@@ -285,6 +288,11 @@ def check_args(args, world=1, cuda=None):
         import torch
 
         cuda = torch.cuda.is_available()
+    problems = [  # each field's own range: rule(...) in Args
+        f"{flag(f.name)} must be {f.metadata['must_be']}, got {getattr(args, f.name)}"
+        for f in fields
+        if "ok" in f.metadata and not f.metadata["ok"](getattr(args, f.name))
+    ]
     a = args  # short, so that each rule below fits on one line
     rules = [  # (what must hold, what to say when it does not)
         # ---- model and data: files we can look for now rather than after the model loads
@@ -295,81 +303,21 @@ def check_args(args, world=1, cuda=None):
         *reward_rules(a),
         (not a.reward_model or os.path.isdir(a.reward_model), f"--reward-model {a.reward_model}: no such directory"),
         (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
-        (a.reward_timeout > 0, f"--reward-timeout must be > 0 seconds, got {a.reward_timeout}"),
-        (0 <= a.seed < 2**32, f"--seed must be in [0, 2**32) (numpy's seed range), got {a.seed}"),
-        # ---- schedule
-        (a.epochs >= 1, f"--epochs must be >= 1, got {a.epochs}"),
-        (
-            a.max_steps == -1 or a.max_steps >= 1,
-            f"--max-steps must be >= 1, or -1 to run all --epochs, got {a.max_steps}",
-        ),
-        (a.prompt_batch_size >= 1, f"--prompt-batch-size must be >= 1, got {a.prompt_batch_size}"),
-        # with one response per prompt there is nothing to compare with: advantage.py falls back to
-        # the raw reward (REINFORCE without a baseline) and the health monitor misreads it
-        (
-            a.group_size >= 2,
-            f"--group-size must be >= 2: GRPO scores each response against the others to its prompt, got {a.group_size}",
-        ),
-        (a.max_prompt_length >= 1, f"--max-prompt-length must be >= 1, got {a.max_prompt_length}"),
-        (a.max_response_length >= 1, f"--max-response-length must be >= 1, got {a.max_response_length}"),
-        # ---- rollout
-        (
-            a.temperature > 0,
-            f"--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got {a.temperature}",
-        ),
-        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
-        (a.top_k == -1 or a.top_k >= 1, f"--top-k must be >= 1, or -1 for off, got {a.top_k}"),
-        (
-            0 < a.gpu_memory_utilization <= 1,
-            f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}",
-        ),
-        (a.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}"),
-        # ---- update
-        (a.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {a.ppo_epochs}"),
-        (a.mini_batch_size >= 1, f"--mini-batch-size must be >= 1, got {a.mini_batch_size}"),
-        (a.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {a.micro_batch_size}"),
-        (a.micro_batch_tokens >= 0, f"--micro-batch-tokens must be >= 0 (0: off), got {a.micro_batch_tokens}"),
-        (a.lr >= 0, f"--lr must be >= 0, got {a.lr}"),
-        (a.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {a.warmup_steps}"),
-        (0 <= a.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {a.min_lr_ratio}"),
+        # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
-        (a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}"),
-        (a.grad_clip > 0, f"--grad-clip must be > 0, got {a.grad_clip}"),
-        (
-            0 < a.clip_low < 1,
-            f"--clip-low must be in (0, 1): the ratio is clipped below at 1 - clip_low, got {a.clip_low}",
-        ),
-        (a.clip_high > 0, f"--clip-high must be > 0, got {a.clip_high}"),
-        (a.clip_c > 1, f"--clip-c must be > 1 for the dual clip to bound anything, got {a.clip_c}"),
-        (a.kl_coef >= 0, f"--kl-coef must be >= 0 (0: no KL loss), got {a.kl_coef}"),
-        (a.entropy_coef >= 0, f"--entropy-coef must be >= 0 (0: no bonus), got {a.entropy_coef}"),
-        (
-            a.loss_scale_factor >= 0,
-            f"--loss-scale-factor must be > 0, or 0 for --max-response-length, got {a.loss_scale_factor}",
-        ),
-        (
-            a.tis_cap == 0 or a.tis_cap >= 1,
-            f"--tis-cap must be >= 1 (a cap below 1 would down-weight tokens the engine and trainer agree on), or 0 for off, got {a.tis_cap}",
-        ),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
-        (a.lora_rank >= 0, f"--lora-rank must be >= 0 (0: full fine-tuning), got {a.lora_rank}"),
-        (a.lora_alpha > 0, f"--lora-alpha must be > 0, got {a.lora_alpha}"),
-        (0 <= a.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {a.lora_dropout}"),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         *[
             (
                 a.lora_rank > 0 or getattr(a, name) == getattr(Args, name),
-                f"--{name.replace('_', '-')} {getattr(a, name)} is a LoRA setting and LoRA is off: add --lora-rank R (R > 0)",
+                f"{flag(name)} {getattr(a, name)} is a LoRA setting and LoRA is off: add --lora-rank R (R > 0)",
             )
             for name in ("lora_alpha", "lora_target_modules", "lora_dropout")
         ],
-        # ---- the GRPO family
-        (a.max_gen_batches >= 1, f"--max-gen-batches must be >= 1, got {a.max_gen_batches}"),
         (
             0 <= a.overlong_buffer_len < a.max_response_length or a.overlong_buffer_len == 0,
             f"--overlong-buffer-len must be in [0, --max-response-length ({a.max_response_length})), got {a.overlong_buffer_len}",
         ),
-        (a.overlong_penalty_factor >= 0, f"--overlong-penalty-factor must be >= 0, got {a.overlong_penalty_factor}"),
         # ---- what the trainer splits: each rank takes prompt_batch_size / world prompts and
         # mini_batch_size / world of them per optimizer step (so world | mini | prompt)
         (
@@ -390,19 +338,11 @@ def check_args(args, world=1, cuda=None):
             "--share-prompts needs the KV cache, which --grad-checkpointing drops: use one of them",
         ),
         # ---- validation, logging, saving
-        (a.test_freq == -1 or a.test_freq >= 1, f"--test-freq must be >= 1, or -1 for never, got {a.test_freq}"),
-        (a.val_temperature >= 0, f"--val-temperature must be >= 0 (0: greedy), got {a.val_temperature}"),
-        (
-            a.val_max_prompts == -1 or a.val_max_prompts >= 1,
-            f"--val-max-prompts must be >= 1, or -1 for all, got {a.val_max_prompts}",
-        ),
-        (a.val_n >= 1, f"--val-n must be >= 1, got {a.val_n}"),
         (
             not a.early_stop_metric or a.early_stop_metric.startswith(("val-core/", "val-aux/")),
             f"--early-stop-metric {a.early_stop_metric}: expected a validation metric, val-core/... or val-aux/... (e.g. val-core/openai/gsm8k/reward/mean@1)",
         ),
         (not a.early_stop_metric or a.test_freq >= 1, "--early-stop-metric needs validation: set --test-freq >= 1"),
-        (a.early_stop_patience >= 1, f"--early-stop-patience must be >= 1, got {a.early_stop_patience}"),
         (
             "jsonl" in loggers(a),
             f"--logger {a.logger}: jsonl is required: metrics.jsonl is the run's record (resume and the health report read it)",
@@ -414,35 +354,31 @@ def check_args(args, world=1, cuda=None):
         ),
         (not a.wandb_run_name or a.wandb_project, "--wandb-run-name needs --wandb-project"),
         (
-            a.save_freq == -1 or a.save_freq >= 1,
-            f"--save-freq must be >= 1, or -1 for no checkpoints, got {a.save_freq}",
-        ),
-        (a.collective_timeout > 0, f"--collective-timeout must be > 0 seconds, got {a.collective_timeout}"),
-        (
-            a.max_ckpt_to_keep == -1 or a.max_ckpt_to_keep >= 1,
-            f"--max-ckpt-to-keep must be >= 1, or -1 for all, got {a.max_ckpt_to_keep}",
-        ),
-        (
             a.resume in ("auto", "never") or os.path.isdir(a.resume),
             f"--resume {a.resume}: no such directory; expected auto, never or a checkpoint directory",
         ),
     ]
-    problems = [message for ok, message in rules if not ok]
-    fields = {f.name for f in dataclasses.fields(Args)}
+    problems += [message for ok, message in rules if not ok]
     problems += [
         f"--logger {name}: expected some of {', '.join(LOGGERS)}" for name in loggers(a) if name not in LOGGERS
     ]
-    problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in fields]
+    names = {f.name for f in fields}
+    problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in names]
     problems += [
-        f"--{name.replace('_', '-')} {getattr(a, name)!r}: expected one of {', '.join(allowed)}"
-        for name, allowed in CHOICES.items()
-        if getattr(a, name) not in allowed
+        f"{flag(f.name)} {getattr(a, f.name)!r}: expected one of {', '.join(f.metadata['choices'])}"
+        for f in fields
+        if "choices" in f.metadata and getattr(a, f.name) not in f.metadata["choices"]
     ]
     try:
         health.parse_bands(a.health_bands)
     except ValueError as e:
         problems.append(f"--health-bands {e}")
     return problems
+
+
+def flag(name):
+    """lora_alpha -> --lora-alpha."""
+    return "--" + name.replace("_", "-")
 
 
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
@@ -526,13 +462,13 @@ def parse_args(argv=None):
     )
     docs = field_docs(Args)
     for f in dataclasses.fields(Args):
-        flag, help_text = "--" + f.name.replace("_", "-"), f"{docs[f.name]} (default: {f.default})"
+        name, help_text = flag(f.name), f"{docs[f.name]} (default: {f.default})"
         if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name == "reward_fn":
-            parser.add_argument(flag, action=Append, default=f.default, help=help_text)
+            parser.add_argument(name, action=Append, default=f.default, help=help_text)
         else:
-            parser.add_argument(flag, type=f.type, default=f.default, choices=CHOICES.get(f.name), help=help_text)
+            parser.add_argument(name, type=f.type, default=f.default, choices=f.metadata.get("choices"), help=help_text)
     args = Args(**vars(parser.parse_args(argv)))
     if args.model == "tiny":
         for key, value in DEMO_OVERRIDES.items():

@@ -1,250 +1,32 @@
 """Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
-(one file, or a directory of shards).
+(one file, or a directory of shards). Each task's data writer and scorer live together in tasks/.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
-    python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (below)
+    python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (tasks/math.py)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
 
-One row per problem, the same columns verl's own data scripts write, so files made here and files
-made by verl are interchangeable:
+One row per problem, in the columns verl's own data scripts write (so their files work here too):
 
     data_source   str    which reward scores this row, e.g. "openai/gsm8k"
     prompt        list   chat messages, [{"role": "user", "content": ...}]
     ability       str    e.g. "math"
     reward_model  dict   {"style": "rule", "ground_truth": ...}
     extra_info    dict   anything else ({"split", "index", "answer", "question"} for GSM8K)
-
-MATH-format data (Hendrycks et al. 2021's fields, which MATH-500 and the lighteval mirror keep) is
-jsonl, one problem a line: {"problem": str, "solution": str with the final answer in \\boxed{...},
-optional "level", "type"}; other fields are ignored. The ground truth is the content of the
-solution's last \\boxed{} (found exactly as reward.py finds the model's answer). --input is either
-one .jsonl file, written to <out>/<file name>.parquet with that name as the split (test.jsonl ->
-test.parquet), or a directory holding train.jsonl and/or test.jsonl, as for GSM8K (each one found
-is converted).
 """
 
 import argparse
 import glob
-import json
 import os
 import re
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reward import MATH_SOURCES, last_boxed
-
-# ----------------------------------------------------------------------------------------------
-# GSM8K (the grade-school-math jsonl release: {"question": ..., "answer": "...\n#### 18"})
-
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-
-
-def jsonl_examples(jsonl_path, fields):
-    """Yields ("<file>, line N", the line's JSON object) for each non-blank line, checked to be an
-    object whose `fields` are strings; a bad line is a ValueError naming the file, line and field."""
-    with open(jsonl_path) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{jsonl_path}, line {line_no}"
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from e
-            if not isinstance(example, dict):
-                raise ValueError(f"{where}: expected a JSON object with {list(fields)}, got {example!r:.80}")
-            for field in fields:
-                if not isinstance(example.get(field), str):
-                    raise ValueError(f"{where}: field {field!r} missing or not a string")
-            yield where, example
-
-
-def gsm8k_rows(jsonl_path, split):
-    """Read one GSM8K jsonl file into rows of verl's schema (the same as verl's gsm8k.py)."""
-    rows = []
-    for where, example in jsonl_examples(jsonl_path, ("question", "answer")):
-        final = re.search(r"#### (-?[0-9.,]+)", example["answer"])
-        if final is None:
-            raise ValueError(f"{where}: field 'answer' has no final '#### <number>' line")
-        rows.append(
-            {
-                "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": example["question"] + " " + GSM8K_INSTRUCTION}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": final.group(1).replace(",", "")},
-                "extra_info": {
-                    "split": split,
-                    "index": len(rows),
-                    "answer": example["answer"],
-                    "question": example["question"],
-                },
-            }
-        )
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# MATH (jsonl rows {"problem", "solution", "level", "type"}; the answer is the last \boxed{})
-
-# What verl's math_dataset.py writes: its old name "lighteval/MATH" is gone from the Hub, and this
-# mirror is the name verl routes to its MATH reward, so our files and verl's are interchangeable.
-# MATH-500 files can say "HuggingFaceH4/MATH-500" (--data-source) to be reported under that name.
-MATH_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
-MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # verl's
-
-
-def math_rows(jsonl_path, split, data_source=MATH_SOURCE):
-    """Read one MATH-format jsonl file into rows of verl's schema (the same as verl's
-    math_dataset.py, plus the problem, solution, level and type in extra_info)."""
-    rows = []
-    for where, example in jsonl_examples(jsonl_path, ("problem", "solution")):
-        answer = last_boxed(example["solution"])
-        if not answer:
-            raise ValueError(
-                f"{where}: field 'solution' has no final answer in \\boxed{{...}} (the last \\boxed is missing, "
-                f"empty or unclosed): ...{example['solution'][-80:]!r}"
-            )
-        # level/type as text: MATH writes "Level 5", MATH-500 writes 5, and a parquet column has one type
-        optional = {k: None if example.get(k) is None else str(example[k]) for k in ("level", "type")}
-        rows.append(
-            {
-                "data_source": data_source,
-                "prompt": [{"role": "user", "content": example["problem"] + " " + MATH_INSTRUCTION}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": answer},
-                "extra_info": {
-                    "split": split,
-                    "index": len(rows),
-                    **optional,
-                    "problem": example["problem"],
-                    "solution": example["solution"],
-                },
-            }
-        )
-    if not rows:
-        raise ValueError(f"{jsonl_path}: no rows")
-    return rows
-
-
-def math_inputs(path):
-    """The (jsonl file, split) pairs behind --input: a file is its own split (its name without
-    .jsonl); a directory gives its train.jsonl and test.jsonl, whichever exist."""
-    if os.path.isfile(path):
-        return [(path, os.path.splitext(os.path.basename(path))[0])]
-    found = [(os.path.join(path, f"{s}.jsonl"), s) for s in ("train", "test")]
-    found = [(f, s) for f, s in found if os.path.isfile(f)]
-    if not found:
-        raise FileNotFoundError(
-            f"{path}: expected a .jsonl file, or a directory holding train.jsonl and/or test.jsonl (MATH format: "
-            '{"problem": ..., "solution": "... \\boxed{answer}"} per line)'
-        )
-    return found
-
-
-def write_parquet(rows, path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    print(f"wrote {len(rows)} rows to {path}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The synthetic task "digits": the demo's and the tests' default data
-#
-#   prompt  "list 2 9 1 4 1 7 last"   ->   answer "7"        ("first" asks for the first digit)
-#
-# Small enough that a tiny random-init model learns it with GRPO in a few minutes on 2 CPU cores,
-# yet the answer depends on the prompt: 2 x 10^6 distinct prompts, 10 answers, each ~10% of them.
-# A random policy is right about 1 time in 400 (the digit, then EOS, out of 20 tokens), so GRPO first
-# learns the format, then to copy the right digit. The test prompts never appear in training.
-
-TASK_SOURCE = "synthetic/digits"
-TASK_WORDS = [str(d) for d in range(10)] + ["list", "first", "last"]  # the tiny tokenizer's vocabulary
-
-
-def digits_prompt(rng):
-    digits = [rng.randrange(10) for _ in range(6)]
-    which = rng.choice(["first", "last"])
-    answer = digits[0] if which == "first" else digits[-1]
-    return "list " + " ".join(map(str, digits)) + " " + which, str(answer)
-
-
-def task_rows(split, count, seed, exclude=()):
-    """`count` distinct prompts of the digits task, in verl's schema, none of them in `exclude`."""
-    import random
-
-    rng, seen, rows = random.Random(f"digits-{split}-{seed}"), set(exclude), []
-    while len(rows) < count:
-        content, answer = digits_prompt(rng)
-        if content in seen:
-            continue
-        seen.add(content)
-        rows.append(
-            {
-                "data_source": TASK_SOURCE,
-                "prompt": [{"role": "user", "content": content}],
-                "ability": "copy",
-                "reward_model": {"style": "rule", "ground_truth": answer},
-                "extra_info": {"split": split, "index": len(rows)},
-            }
-        )
-    return rows
-
-
-def write_task(out_dir, seed=0, train_size=20000, test_size=500):
-    """Write the digits task's train.parquet and test.parquet (disjoint prompts) to `out_dir`."""
-    test = task_rows("test", test_size, seed)
-    train = task_rows("train", train_size, seed, exclude={r["prompt"][0]["content"] for r in test})
-    write_parquet(train, os.path.join(out_dir, "train.parquet"))
-    write_parquet(test, os.path.join(out_dir, "test.parquet"))
-
-
-# ----------------------------------------------------------------------------------------------
-# The times-table task "multiply": the README's real-model example (SmolLM2-135M-Instruct)
-#
-#   prompt  "What is 7 * 8?"   ->   answer "56"    (scored by the last number in the response)
-#
-# Every product a x b for a, b in [low, high]. test_pairs factor pairs {a, b} are held out in both
-# orders, so "8 * 7" in training never gives away "7 * 8" in the test set. A pretrained chat model
-# knows many of these facts but answers with prose that often omits or misstates the product, so RL
-# has to improve what it computes, not only how it writes it.
-
-MULTIPLY_SOURCE = "synthetic/multiply"
-
-
-def multiply_rows(pairs, split):
-    return [
-        {
-            "data_source": MULTIPLY_SOURCE,
-            "prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-            "extra_info": {"split": split, "index": i, "a": a, "b": b},
-        }
-        for i, (a, b) in enumerate(pairs)
-    ]
-
-
-def write_multiply(out_dir, seed=0, low=2, high=12, test_pairs=25):
-    """Write the multiply task's train.parquet and test.parquet to `out_dir`: the held-out factor
-    pairs, in both orders, are the test set; every other a * b is training."""
-    import random
-
-    factor_pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
-    if not 0 < test_pairs < len(factor_pairs):
-        raise ValueError(
-            f"test_pairs must be between 1 and {len(factor_pairs) - 1} (there are {len(factor_pairs)} factor pairs), got {test_pairs}"
-        )
-    random.Random(f"multiply-{seed}").shuffle(factor_pairs)
-    held_out = set(factor_pairs[:test_pairs])
-    questions = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    random.Random(f"multiply-order-{seed}").shuffle(questions)
-    test = [(a, b) for a, b in questions if (min(a, b), max(a, b)) in held_out]
-    train = [(a, b) for a, b in questions if (min(a, b), max(a, b)) not in held_out]
-    write_parquet(multiply_rows(train, "train"), os.path.join(out_dir, "train.parquet"))
-    write_parquet(multiply_rows(test, "test"), os.path.join(out_dir, "test.parquet"))
-
+from tasks.common import write_parquet
+from tasks.digits import TASK_WORDS, write_digits
+from tasks.gsm8k import gsm8k_rows
+from tasks.math import MATH_SOURCE, MATH_SOURCES, math_inputs, math_rows
+from tasks.multiply import write_multiply
 
 # ----------------------------------------------------------------------------------------------
 # The loader: every row is checked before training starts, not when a bad one is first sampled
@@ -429,6 +211,60 @@ def unknown_tokens_warning(path, rows, tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------
+# The trainer's inputs
+
+
+def demo_inputs(args, rank):
+    """The demo makes its own inputs, on rank 0: the tiny model for --model tiny, the synthetic task
+    for an empty --train-data or --val-data. Points args at them. A collective (it waits for rank 0).
+    The trainer's setup, imported here so that this file's command line stays light."""
+    import torch.distributed as dist
+
+    from config import DEMO_OVERRIDES
+    from distributed import print0
+
+    if args.model == "tiny":
+        changed = ", ".join(f"{k}={v}" for k, v in DEMO_OVERRIDES.items() if getattr(args, k) == v)
+        print0(f"demo: the tiny model learns from scratch, so these replace verl's fine-tuning defaults: {changed}")
+        from models import build_tiny_model
+
+        args.model = os.path.join(args.out_dir, "tiny_model")
+        if rank == 0:
+            build_tiny_model(args.model, TASK_WORDS, seed=args.seed)
+    if not args.train_data or not args.val_data:
+        task_dir = os.path.join(args.out_dir, "data")
+        if rank == 0:
+            write_digits(task_dir, seed=args.seed)
+        args.train_data = args.train_data or os.path.join(task_dir, "train.parquet")
+        args.val_data = args.val_data or os.path.join(task_dir, "test.parquet")
+    dist.barrier()
+
+
+def load_data(args, tokenizer):
+    """The training and validation rows of verl's schema with their prompt token ids (row["prompt_ids"]);
+    prompts longer than --max-prompt-length are dropped and counted."""
+    from distributed import print0
+    from reward import BUILTIN_SOURCES
+
+    known = None if args.reward_fn else BUILTIN_SOURCES  # without --reward-fn, every row needs a built-in reward
+    out = []
+    for path, name in ((args.train_data, "train data"), (args.val_data, "validation data")):
+        try:
+            rows, dropped = load_prompts(path, tokenizer, known, args.max_prompt_length)
+        except DataError as e:  # names the file, row and field: the message is the error
+            raise SystemExit(str(e)) from None
+        if dropped:
+            limit = f"max_prompt_length={args.max_prompt_length}"
+            print0(f"{name}: dropped {dropped} of {len(rows) + dropped} prompts longer than {limit} tokens")
+        out.append(rows)
+    train_rows, val_rows = out[0], out[1][: args.val_max_prompts if args.val_max_prompts > 0 else None]
+    if len(train_rows) < args.prompt_batch_size:
+        batch = f"prompt_batch_size={args.prompt_batch_size}"
+        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than {batch}")
+    return train_rows, val_rows
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -438,14 +274,21 @@ def main(argv=None):
     g = tasks.add_parser("gsm8k", help="convert GSM8K's train.jsonl/test.jsonl")
     g.add_argument("--input", required=True, help="directory with train.jsonl and test.jsonl")
     g.add_argument("--out", default="data/gsm8k", help="directory to write train.parquet and test.parquet to")
-    mp = tasks.add_parser("math", help="convert MATH-format jsonl (problem, solution with \\boxed{answer})")
+    mp = tasks.add_parser(
+        "math",
+        help="convert MATH-format jsonl (problem, solution with \\boxed{answer})",
+        description='MATH-format jsonl, one problem a line: {"problem": str, "solution": str with the final answer '
+        'in \\boxed{...}, optional "level", "type"}; other fields are ignored. The ground truth is the content of '
+        "the solution's last \\boxed{}. --input is one .jsonl file (its name is the split: test.jsonl -> "
+        "test.parquet) or a directory holding train.jsonl and/or test.jsonl.",
+    )
     mp.add_argument("--input", required=True, help="a .jsonl file, or a directory with train.jsonl and/or test.jsonl")
     mp.add_argument("--out", default="data/math", help="directory to write <split>.parquet to")
     mp.add_argument(
         "--data-source",
         default=MATH_SOURCE,
         choices=sorted(MATH_SOURCES),
-        help="the rows' data_source, which names them in validation metrics; all are scored by reward.math_score",
+        help="the rows' data_source, which names them in validation metrics; all are scored by tasks.math.math_score",
     )
     d = tasks.add_parser("digits", help="the synthetic task: copy the first or last digit of a list")
     d.add_argument("--out", default="data/digits", help="directory to write train.parquet and test.parquet to")
@@ -474,7 +317,7 @@ def main(argv=None):
         for src, split in inputs:
             write_parquet(math_rows(src, split, args.data_source), os.path.join(args.out, f"{split}.parquet"))
     if args.task == "digits":
-        write_task(args.out, args.seed, args.train_size, args.test_size)
+        write_digits(args.out, args.seed, args.train_size, args.test_size)
     if args.task == "multiply":
         write_multiply(args.out, args.seed, args.low, args.high, args.test_pairs)
 

@@ -29,6 +29,10 @@ def init_distributed(timeout=600.0):
     if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one
         port = str(29500 + os.getpid() % 1000)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    # Large CPU tensors in 2 MiB huge pages: torch's allocator asks the kernel for them (madvise) when
+    # this is set before its first large allocation. Every micro-batch allocates [vocab, hidden]
+    # tensors, and in 4 KiB pages each costs a page fault per page (BENCHMARKS.md, Qwen vocabulary).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -149,3 +153,30 @@ def reduce_metrics(metrics, device):
             t /= have
         out.update(zip(sel, t.tolist()))
     return out
+
+
+def run(main, clear_errors=()):
+    """Run a script's main() so that under torchrun the error it ends with is the root cause torchrun
+    prints last: our SystemExit messages and `clear_errors` (which name their path and what to do)
+    as they are, a peer's failure (is_peer_failure) as the advice to resume, anything else as
+    "Type: message" with its traceback."""
+    try:
+        main()
+    except SystemExit as e:  # our errors say what to do: under torchrun they are also its summary's last line
+        if isinstance(e.code, str):
+            record_root_cause(e.code)
+        raise
+    except clear_errors as e:
+        record_root_cause(str(e))
+        raise SystemExit(str(e)) from None
+    except Exception as e:
+        if not is_peer_failure(e):
+            record_root_cause(f"{type(e).__name__}: {e}")
+            raise
+        message = (
+            f"rank {os.environ.get('RANK', 0)}: another rank stopped answering ({e}). It died or is stuck; its own "
+            "output says why. Checkpoints are intact: rerun the same command to resume. If ranks legitimately wait "
+            "longer than this for each other, raise --collective-timeout."
+        )
+        record_root_cause(message)
+        raise SystemExit(message) from None

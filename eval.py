@@ -2,7 +2,7 @@
 
     python eval.py --model runs/grpo/final_model --data runs/grpo/data/test.parquet --n 8 --temperature 0.6
     torchrun --nproc_per_node=2 eval.py --model ... --data ... --samples 8   # the data is split over ranks
-    python eval.py report runs/grpo [--bands kl_max=0.05,target=0.9]        # a run's health report (health.py)
+    python eval.py report runs/grpo [--bands kl_max=0.05,target=0.9]        # a run's health report (report.py)
 
 Per data source, over each prompt's n samples (then averaged over prompts):
     mean@n                 the average score
@@ -11,8 +11,7 @@ Per data source, over each prompt's n samples (then averaged over prompts):
                            fixed seed), for k = 2, 4, 8, ... up to n; reported as /mean and /std
     maj@k                  the score of the majority answer among k samples, when the reward returns
                            a "pred" to vote on (verl's convention)
-    pass@k                 unbiased pass@k of Chen et al. (2021): 1 - C(n-c, k) / C(n, k), c = samples
-                           with full score
+    pass@k                 unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), c full scores
 Names follow verl: val-core/<data_source>/reward/mean@n (the headline), val-aux/... for the rest.
 """
 
@@ -181,12 +180,13 @@ def validate(
 
 
 def report(argv):
-    """`python eval.py report RUN_DIR`: write the run's health report (health.py) and print it."""
+    """`python eval.py report RUN_DIR`: write the run's health report (report.py) and print it."""
     import health
+    import report
 
     parser = argparse.ArgumentParser(
         prog="eval.py report",
-        description=health.__doc__,
+        description=report.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -200,7 +200,7 @@ def report(argv):
     except ValueError as e:
         parser.error(f"--bands {e}")
     try:
-        path, verdicts = health.write_report(args.run_dir, bands)
+        path, verdicts = report.write_report(args.run_dir, bands)
     except (OSError, ValueError) as e:
         raise SystemExit(f"eval.py report: {e}") from None
     print(open(path).read())
@@ -288,10 +288,11 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
+    from memory import free_memory_gib
+    from models import check_model_path, context_length
     from policy import compute_dtype
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
-    from rollout import check_model_path, context_length, make_engine, stop_token_ids
-    from run_log import free_memory_gib
+    from rollout import make_engine, stop_token_ids
 
     distributed = "RANK" in os.environ
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it

@@ -1,23 +1,17 @@
-"""LoRA: GRPO that trains low-rank adapters on a frozen base model (PEFT), and the four places
-where that changes the loop.
-
+"""LoRA: GRPO that trains low-rank adapters on a frozen base model (PEFT); four places change.
 Each targeted linear layer W (out x in) gets two small matrices, A (r x in) and B (out x r), and
 computes x W^T + scale * x A^T B^T with scale = alpha / r. B starts at zero, so step 0 is the base
 model. Only A and B are trained; with rank 16 on SmolLM2-135M they are 3.6% of the parameters.
-
 1. The reference model is the base itself: the policy with its adapters switched off
    (`reference_mode`). No second copy of the model, as in verl.
 2. The engine samples from the merged weights W + scale * B @ A, streamed one parameter at a
    time exactly like full training's (`merged_parameters`). A sync that forgot the adapters would
    leave the engine on the base model; the engine-vs-trainer log-prob gap (--engine-logprobs)
    shows it, and a test holds it under 1e-4 after several updates.
-3. Checkpoints hold the adapters and their optimizer state only (checkpoint.trainable_state); the
-   base comes from --model again on resume, and `base_fingerprint` makes sure it is the same one.
-4. A run ends with final_model/ (merged: loads in transformers and vLLM without PEFT) and
-   final_adapter/ (PEFT's adapter format: PeftModel.from_pretrained(base, "final_adapter")).
-
-LoRA usually wants about 10x the learning rate of full fine-tuning (Schulman et al., "LoRA
-Without Regret", 2025; TRL's issue #2872 is LoRA that "doesn't learn" at a full fine-tuning rate).
+3. Checkpoints hold the adapters and their optimizer state only; the base comes from --model
+   again on resume, and `base_fingerprint` makes sure it is the same one.
+4. A run ends with final_model/ (merged: loads without PEFT) and final_adapter/ (PEFT's format).
+LoRA wants about 10x full fine-tuning's learning rate (Schulman et al., "LoRA Without Regret").
 """
 
 import json
@@ -25,6 +19,7 @@ import os
 
 import torch
 
+import safe_write
 from distributed import full_tensor
 
 ADAPTER = "default"  # PEFT's name for a model's only adapter
@@ -120,10 +115,8 @@ def save_adapter(model, out_dir, rank):
     """Write the adapters in PEFT's format (adapter_config.json, adapter_model.safetensors), so that
     PeftModel.from_pretrained(base, out_dir) loads them. Every rank takes part; rank 0 writes. Like
     policy.save_hf, weights that are not finite, and a write that fails, raise on every rank."""
-    import checkpoint  # here: checkpoint imports lora
-
     adapters = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
-    checkpoint.check_finite(adapters, out_dir, "Resume from a checkpoint before the divergence with a smaller --lr.")
+    safe_write.check_finite(adapters, out_dir, "Resume from a checkpoint before the divergence with a smaller --lr.")
     state = {}
     for name, param in adapters:  # PEFT's files name the tensors without the adapter's name
         state[name.replace(f".{ADAPTER}.", ".")] = full_tensor(param).detach().cpu().contiguous()
@@ -132,25 +125,23 @@ def save_adapter(model, out_dir, rank):
         try:
             write_adapter(state, model.peft_config[ADAPTER], out_dir)
         except Exception as e:  # told to every rank, which would otherwise wait for rank 0
-            error = checkpoint.write_error(
+            error = safe_write.write_error(
                 e, out_dir + ".tmp", f"writing the adapter {out_dir}", "run the same command again"
             )
-    failure = checkpoint.first_failure(error)  # and a barrier
+    failure = safe_write.first_failure(error)  # and a barrier
     if failure is not None:
         raise failure
 
 
 def write_adapter(state, peft_config, out_dir):
     """Adapter tensors (PEFT's names) and their LoraConfig -> a PEFT adapter directory, written to
-    out_dir.tmp and put in out_dir's place when complete (checkpoint.publish_dir)."""
+    out_dir.tmp and put in out_dir's place when complete (safe_write.publish_dir)."""
     from safetensors.torch import save_file
 
-    import checkpoint  # here: checkpoint imports lora
-
-    tmp = checkpoint.prepare_dir(out_dir)
+    tmp = safe_write.prepare_dir(out_dir)
     peft_config.save_pretrained(tmp)
     save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-    checkpoint.publish_dir(tmp, out_dir)
+    safe_write.publish_dir(tmp, out_dir)
 
 
 @torch.no_grad()

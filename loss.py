@@ -437,3 +437,41 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
             "ppo_kl": masked_mean(-log_ratio, mask_f),
         }
     return agg_loss(loss_mat, mask_f, GSPO_AGG), metrics
+
+
+def micro_batch_loss(logp, token_entropy, view, *, agg, args):
+    """The loss of one micro-batch: the clipped surrogate (--loss-mode), + kl_coef x the KL to the
+    reference, - entropy_coef x the entropy, each aggregated by `agg` (train_grpo's --flags in
+    `args`). logp and token_entropy [b, r]: the policy's, for the micro-batch's window of the batch
+    (`view`: policy.window), which carries the advantages and the old, reference and engine
+    log-probs. Returns (loss, {name: number} of every term for the log, the old log-probs [b, r])."""
+    device = logp.device
+    m = view["response_mask"].to(device)  # [b, r]
+    old = logp.detach() if view.get("old_logp") is None else view["old_logp"].to(device)  # on-policy: ratio 1
+    is_weights = None
+    if args.tis_cap > 0:  # truncated importance sampling: the engine sampled, the trainer scores
+        is_weights = torch.exp(old - view["engine_logp"].to(device)).clamp(max=args.tis_cap) * m
+    adv = view["advantages"].to(device)  # [b, r]
+    norm_len = args.loss_scale_factor or args.max_response_length  # Dr. GRPO's constant, never the window's width
+    pg_loss, pg_metrics = policy_loss(
+        logp,
+        old,
+        adv,
+        m,
+        clip_low=args.clip_low,
+        clip_high=args.clip_high,
+        clip_c=args.clip_c,
+        agg=agg,
+        rollout_is_weights=is_weights,
+        norm_len=norm_len,
+        mode=args.loss_mode,
+    )
+    loss, kl_loss = pg_loss, torch.zeros(())
+    if view.get("ref_logp") is not None:
+        kl_loss = agg_loss(kl_penalty(logp, view["ref_logp"].to(device), args.kl_kind), m, agg, norm_len)
+        loss = loss + args.kl_coef * kl_loss
+    entropy = agg_loss(token_entropy, m, agg, norm_len)
+    if args.entropy_coef > 0:
+        loss = loss - args.entropy_coef * entropy
+    terms = dict(pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, policy_loss=loss, **pg_metrics)
+    return loss, {k: v.item() for k, v in terms.items()} | {"tokens": m.sum().item()}, old

@@ -11,8 +11,9 @@ its KV cache (_forward_responses).
 import torch
 import torch.distributed as dist
 
-import checkpoint
+import export
 import lora
+import safe_write
 from distributed import full_tensor
 from loss import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
 
@@ -89,8 +90,14 @@ def window(batch, rows):
     cols = slice(P - p, P + r)
     view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
     view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
+    for k in PER_TOKEN:  # what the trainer added to the batch: the loss's inputs, [N, R] each
+        if batch.get(k) is not None:
+            view[k] = batch[k][rows, :r]
     view["group"] = batch.get("group", 1)  # micro_batches keeps groups whole
     return view  # response tensors [b, r]
+
+
+PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp")  # [N, R] tensors a batch may carry
 
 
 def _forward_responses(model, view, device):
@@ -192,7 +199,7 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
+def compute_logprobs(model, batch, *, micro, max_tokens, temperature, device):
     """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
     out = torch.zeros_like(batch["response_mask"])
     for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
@@ -200,27 +207,6 @@ def compute_logprobs(model, batch, micro, max_tokens, temperature, device):
         logp, _ = response_logprobs(model, view, device, temperature, entropy=False)
         out[rows, : logp.shape[1]] = logp.float().cpu()
     return out
-
-
-def activation_gib_per_token(model, device, length=1024):
-    """GiB that autograd holds for the backward, per token of a micro-batch through
-    response_logprobs: the activations, which grow with the tokens (the parameters do not). Measured
-    as the difference between forwards of one sequence of `length` and of `length` // 2 tokens
-    (half prompt, half response), with no backward. Every rank calls it: FSDP2 gathers weights."""
-
-    def held(n):
-        view = window(make_batch([[0] * (n // 2)], [[0] * (n - n // 2)], pad_id=0), [0])
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            response_logprobs(model, view, device, 1.0)
-        return sum(storages.values())
-
-    return (held(length) - held(length // 2)) / (length - length // 2) / 2**30
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +242,7 @@ def compute_dtype(choice, device):
 
 def load_model(path, dtype, device):
     """The causal LM in `path` on `device`. Never runs Python code from the model directory
-    (trust_remote_code=False): rollout.check_model_path refuses a directory that needs it."""
+    (trust_remote_code=False): models.check_model_path refuses a directory that needs it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
@@ -299,14 +285,14 @@ def save_hf(model, tokenizer, out_dir, rank, step=None, dtype=torch.float32):
     """Gather the full state dict to rank 0's CPU and write it in Hugging Face format, its weights in
     `dtype` (the run's compute dtype; config.json says which) (with LoRA,
     the base with the adapters merged in: no PEFT needed to load it), with `step` in grpo_step.json
-    (checkpoint.final_model_problem reads it). A collective, and so are its failures: weights that
-    hold inf or NaN raise checkpoint.NonFiniteError on every rank before anything is gathered (each
-    rank checks its own shards), and a write that fails on rank 0 (checkpoint.write_hf: the path;
-    "no space left on device" when the disk is full) raises checkpoint.WriteError on every rank."""
+    (export.final_model_problem reads it). A collective, and so are its failures: weights that
+    hold inf or NaN raise safe_write.NonFiniteError on every rank before anything is gathered (each
+    rank checks its own shards), and a write that fails on rank 0 (export.write_hf: the path;
+    "no space left on device" when the disk is full) raises safe_write.WriteError on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     todo = "Resume from a checkpoint before the divergence with a smaller --lr."
-    checkpoint.check_finite(model.named_parameters(), out_dir, todo)
+    safe_write.check_finite(model.named_parameters(), out_dir, todo)
     if lora.is_lora(model):
         state = {name: t.cpu() for name, t in full_parameters(model, torch.float32) if rank == 0}
     else:
@@ -314,10 +300,10 @@ def save_hf(model, tokenizer, out_dir, rank, step=None, dtype=torch.float32):
     error = None
     if rank == 0:
         try:
-            checkpoint.write_hf(state, model.config, model.generation_config, tokenizer, out_dir, step, dtype)
+            export.write_hf(state, model.config, model.generation_config, tokenizer, out_dir, step, dtype)
         except Exception as e:  # told to every rank, which would otherwise wait for rank 0 forever
             error = e
-    failure = checkpoint.first_failure(error)  # and a barrier
+    failure = safe_write.first_failure(error)  # and a barrier
     if failure is not None:
         raise failure
 
@@ -347,12 +333,13 @@ def move_optimizer_states(optimizer, device):
                 state[key] = value.to(device)
 
 
-def reference_logprobs(policy, reference, *logprob_args):
-    """compute_logprobs under the KL reference: the frozen copy, or with LoRA the policy's base."""
+def reference_logprobs(policy, reference, batch, **how):
+    """compute_logprobs (with its keywords, `how`) under the KL reference: the frozen copy, or with
+    LoRA the policy's base."""
     if reference is not None:
-        return compute_logprobs(reference, *logprob_args)
+        return compute_logprobs(reference, batch, **how)
     with lora.reference_mode(policy):
-        return compute_logprobs(policy, *logprob_args)
+        return compute_logprobs(policy, batch, **how)
 
 
 def sync_weights(engine, policy, dtype):

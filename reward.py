@@ -1,4 +1,5 @@
-"""Rewards: rule-based scores for the shipped data sources, and custom reward functions from a file.
+"""The reward interface: compute_score, the built-in reward of each shipped task (tasks/), and reward
+functions of your own, loaded from a file and run in a worker process (reward_worker.py).
 
 Every reward function has verl's signature,
 
@@ -6,323 +7,29 @@ Every reward function has verl's signature,
 
 and returns either a real number (int, float, bool, a numpy or torch scalar) or a dict with a "score" key
 plus extra keys that the trainer logs as metrics (reward_extra/<key>/mean). A verl user's reward file
-works here unchanged: `--reward-fn my_reward.py:compute_score`.
-
-What a reward function sees in extra_info: the row's own extra_info (data_prep.py writes split and
-index; verl's files hold more), plus, when the caller passes the generated token ids to score_rows
-(the trainer does), three keys added to a copy of it (the row itself is never changed: a prompt's n samples share
-one row, and rows are reused every epoch):
-
-    response_ids      list[int]  the tokens the model wrote, the final EOS included
-    response_length   int        len(response_ids), counted as verl and overlong_penalty count it
-    truncated         bool       the response hit the length limit instead of stopping on its own
-
-Several reward functions combine into one with weighted_reward (TRL's reward_weights):
-score = sum_i w_i * s_i, each s_i kept as an extra key.
-
-What a --reward-fn function may do, and what happens. load_reward_fns runs the functions in a worker
-process of their own (reward_worker.py), one per rank, which lives as long as the run: state a file keeps
-at module level (a cache, a loaded model, a counter) persists from call to call. Each call may take up to
---reward-timeout seconds. A call that raises, calls sys.exit(), ends the process (os._exit, a segfault),
-runs past the timeout (in Python or in C), or returns something that is not a finite real number (None,
-NaN, 10**400, the string "1.0", a dict without "score") is a reward error for that sample: by default
-(--reward-errors raise) the run stops, naming the function, the step, the sample, its data_source and what
-happened; with --reward-errors skip the sample scores 0 and is counted in the extra key "reward_error"
-(the trainer logs reward/errors, and val-aux/reward/errors for validation). After an exit, a crash or a
-time-out the worker is replaced, so module-level state starts again. Extra keys: numbers are logged as
-their mean; a value that is not a finite number (NaN, inf) is left out of that mean and reported on
-stderr; strings (maj@k's "pred") and other values are kept but not logged. The built-in rewards
-(compute_score) run in this process; MATH's math-verify has its own worker (math_score).
+works here unchanged: `--reward-fn my_reward.py:compute_score`. extra_info is the row's own, plus the
+response's tokens when the trainer passes them (score_rows). Several reward functions combine into one
+with weighted_reward (TRL's reward_weights): score = sum_i w_i * s_i, each s_i kept as an extra key.
+What a --reward-fn function may do, and what happens when it raises, exits, hangs or returns something
+else: load_reward_fns. The built-in rewards (compute_score) run in this process; MATH's math-verify has
+its own worker (tasks/math_verify_worker.py).
 """
 
-import atexit
 import functools
 import importlib.util
-import json
 import math
 import numbers
 import os
-import re
-import select
-import subprocess
 import sys
-import threading
 import traceback
 import warnings
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from reward_worker import RewardWorker
-
-# ----------------------------------------------------------------------------------------------
-# GSM8K
-
-GSM8K_SOURCE = "openai/gsm8k"
-
-# A number as models write it: optional sign and dollar, digits with or without thousands
-# separators, optional decimals. "1,2,3" is three numbers; "3,000" is one.
-NUMBER = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-
-
-def to_number(text):
-    """'3,000' -> Decimal('3000'), '$18' -> 18, '18.00' -> 18.00 (== 18); None if not a number."""
-    try:
-        value = Decimal(str(text).strip().replace(",", "").replace("$", "").rstrip("."))
-    except InvalidOperation:
-        return None
-    return value if value.is_finite() else None
-
-
-def extract_gsm8k_answer(solution_str, method="strict"):
-    """The model's final answer as a string, or None when it gave none.
-
-    strict:   the number right after the last "####" (verl's format, asked for in the prompt).
-    flexible: the last number anywhere in the response.
-    """
-    if method == "strict":
-        at = solution_str.rfind("####")
-        if at < 0:
-            return None
-        found = re.match(r"\s*(" + NUMBER + ")", solution_str[at + 4 :])
-        return found.group(1) if found else None
-    if method == "flexible":
-        numbers = re.findall(NUMBER, solution_str)
-        return numbers[-1] if numbers else None
-    raise ValueError(f"unknown GSM8K answer extraction {method!r}; expected 'strict' or 'flexible'")
-
-
-def gsm8k_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
-    """`score` if the extracted answer equals the ground truth as a number, `format_score` if an
-    answer was found but is wrong, 0 if none was found.
-
-    Compared as numbers, so "3,000", "$18", "18.00" and "18." (end of a sentence) all count.
-    """
-    answer = extract_gsm8k_answer(solution_str, method)
-    if answer is None:
-        return 0.0
-    predicted, expected = to_number(answer), to_number(ground_truth)
-    if expected is None:  # a non-numeric ground truth: fall back to comparing text
-        return score if answer.strip() == str(ground_truth).strip() else format_score
-    return score if predicted == expected else format_score
-
-
-# ----------------------------------------------------------------------------------------------
-# The synthetic digits task (data_prep.py)
-
-DIGITS_SOURCE = "synthetic/digits"
-
-
-def digits_score(solution_str, ground_truth):
-    """1 if the response is exactly the answer (surrounding spaces aside), else 0.
-
-    Exact, not "contains": the trainer passes every token the model wrote but the final EOS, so
-    an answer followed by junk tokens, or one that never stops, scores 0.
-    """
-    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
-
-
-# ----------------------------------------------------------------------------------------------
-# The times-table task (data_prep.py multiply)
-
-MULTIPLY_SOURCE = "synthetic/multiply"
-
-
-def multiply_score(solution_str, ground_truth):
-    """1 if the last number in the response is the product, else 0: "7 * 8 = 56." scores, and so
-    does prose that ends on the right number; a response cut off mid-number does not."""
-    return gsm8k_score(solution_str, ground_truth, method="flexible")
-
-
-# ----------------------------------------------------------------------------------------------
-# MATH (Hendrycks et al. 2021): the answer in the last \boxed{}, compared with math-verify
-#
-# The data_sources verl's default_compute_score sends to its \boxed{} MATH scorer. verl's other
-# math sources ("math_dapo", "aime*", the numina_* ones) expect other answer formats ("Answer: 42")
-# and are not included: score those with --reward-fn.
-MATH_SOURCES = {"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"}
-
-MATH_TIMEOUT = 5.0  # seconds for one response: parsing and comparing a sane answer takes milliseconds
-
-# "1\,000" is a LaTeX thousands separator, which math-verify reads as a product (1 * 000 = 0)
-THIN_SPACE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
-
-
-def last_boxed(text):
-    r"""The content of the last \boxed{...} (or \fbox{...}) in `text`, or None if there is none.
-
-    Braces are matched, so "\boxed{\frac{1}{2}}" gives "\frac{1}{2}"; escaped braces (\{ \}) are
-    text, not grouping. The brace-less form "\boxed 5" gives what follows up to the next '$' or
-    line end. The last box is the answer even when it cannot be read: an unclosed "\boxed{" (a
-    response cut off mid-answer) gives None, never an earlier box.
-    """
-    at = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if at < 0:
-        return None
-    command = re.match(r"\\(?:boxed|fbox)(\s*)", text[at:])
-    rest = text[at + command.end() :]
-    if not rest.startswith("{"):
-        if not command.group(1):  # "\boxedx" is some other command
-            return None
-        answer = re.split(r"[$\n]", rest, maxsplit=1)[0].strip()
-        return answer or None
-    depth = 0
-    for token in re.finditer(r"\\.|[{}]|[^\\{}]+", rest, re.DOTALL):  # \x pairs first: "\{" is text
-        if token.group() == "{":
-            depth += 1
-        elif token.group() == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[1 : token.start()].strip()
-    return None
-
-
-def math_verify_score(solution_str, ground_truth):
-    r"""(score, pred) for one response, with no time limit: the comparison math_score runs in its
-    worker process. score is 1.0 if the answer equals the ground truth as mathematics, else 0.0;
-    pred is the answer text that was compared (None if the response gave none).
-
-    The answer is the last \boxed{...}; a response with no \boxed at all falls back to math-verify's
-    own extraction (the last LaTeX or plain expression, "The final answer is $x$" first).
-    math-verify then compares values, not strings: 0.5 = \frac{1}{2} = 1/2 = \dfrac12 = 50\%,
-    {1,2} = {2,1}, [0,1) != (0,1), \sqrt{50} = 5\sqrt{2}, "x = 3" equals 3, decimals to 6 places.
-    The one rule we add: a thin space between digit groups is dropped first (1\,000 = 1000).
-    Units and degree signs are dropped ("5 \text{ cm}" = 5, "30^\circ" = 30), as the MATH
-    benchmark's own answer normalization does; we keep that, so "5 m" also equals "5 cm".
-
-    Garbage in the response scores 0. A ground truth math-verify cannot read is a ValueError: it is
-    a data bug, and a silent 0 would train on it (every sample of that prompt scoring 0).
-    """
-    # imported here, not at the top: only math_score's worker process needs sympy
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    truth = str(ground_truth)
-    truth = THIN_SPACE.sub("", last_boxed(truth) or truth)  # a whole reference solution works too
-    # parsing_timeout=None, timeout_seconds=None: no signal.alarm (see math_score); math-verify's
-    # own error handling stays on (raise_on_error=False), so bad input gives [] / False, not errors
-    gold = parse("\\boxed{" + truth + "}", [LatexExtractionConfig()], parsing_timeout=None)
-    if not gold:
-        raise ValueError(
-            f"math ground truth {ground_truth!r} is not an answer math-verify can read; expected the content of "
-            "the reference solution's last \\boxed{}, e.g. '\\frac{1}{2}' (data_prep.py math writes it)"
-        )
-    try:
-        answer = last_boxed(solution_str)
-        if answer is not None:
-            found = parse(
-                "\\boxed{" + THIN_SPACE.sub("", answer) + "}",
-                [LatexExtractionConfig(), ExprExtractionConfig()],
-                parsing_timeout=None,
-            )
-        elif "\\boxed" in solution_str or "\\fbox" in solution_str:
-            found = []  # the last box is unreadable: no answer, not a hunt for another one
-        else:
-            found = parse(solution_str, [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
-            answer = found[-1] if found and isinstance(found[-1], str) else None  # the text it matched
-        correct = bool(found) and verify(gold, found, timeout_seconds=None)
-    except Exception:  # math-verify catches its own errors; this makes "never raises" ours to promise
-        return 0.0, None
-    return (1.0 if correct else 0.0), answer
-
-
-def serve_math_worker():
-    """The worker's loop: one JSON request [solution_str, ground_truth] per stdin line, one JSON
-    reply per stdout line: {"score", "pred"} or {"error"}. Ends when stdin closes."""
-    import logging
-
-    import math_verify  # noqa: F401  (imported before "ready", so the first request is not charged for it)
-
-    # its "Timeout is disabled" warning: the timeout is math_score's, which kills this process
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        solution_str, ground_truth = json.loads(line)
-        try:
-            score, pred = math_verify_score(solution_str, ground_truth)
-            reply = {"score": score, "pred": pred}
-        except ValueError as e:
-            reply = {"error": str(e)}
-        print(json.dumps(reply), flush=True)
-
-
-# Why a worker process. math-verify 0.9.0's own timeouts (parse's parsing_timeout and verify's
-# timeout_seconds, 5 s each by default) use signal.alarm: called outside the main thread (a reward
-# run from a thread pool) they raise ValueError, they cancel any alarm the caller had set, and a
-# signal only lands between Python bytecodes, never inside one long C call. Turned off
-# (None), hostile answers hang: \boxed{9^{9^{9^{9}}}}, \boxed{(10^{10})!}, \boxed{(x+1)^{100000}}
-# each ran past 20 s before we stopped them. So math_score runs math-verify, timeouts off, in a
-# child process that it kills after `timeout` seconds: no signals, any thread, and every hang ends.
-# One child per process (a forked process starts its own), started on first use, restarted after
-# a kill; callers take turns.
-_math_worker = {"pid": None, "process": None}
-_math_lock = threading.Lock()
-
-
-def _stop_math_worker():
-    process = _math_worker["process"]
-    if process is not None and _math_worker["pid"] == os.getpid():
-        process.kill()
-        process.wait()
-        process.stdin.close()
-        process.stdout.close()
-    _math_worker.update(pid=None, process=None)
-
-
-atexit.register(_stop_math_worker)
-
-
-def _start_math_worker():
-    """This process's worker, started if there is none (or it died, or we are a forked child)."""
-    process = _math_worker["process"]
-    if process is not None and _math_worker["pid"] == os.getpid() and process.poll() is None:
-        return process
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import reward; reward.serve_math_worker()"
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    if process.stdout.readline().strip() != "ready":  # it failed to import; its traceback is on stderr
-        process.kill()
-        raise RuntimeError(
-            "math_score's worker process could not start (its error is printed above); is math-verify installed? "
-            "pip install -r requirements.txt"
-        )
-    _math_worker.update(pid=os.getpid(), process=process)
-    return process
-
-
-def math_score(solution_str, ground_truth, timeout=MATH_TIMEOUT):
-    r"""{"score": 1.0 or 0.0, "pred": the answer compared} for one response to a MATH problem
-    (math_verify_score, in a worker process). `ground_truth` is the content of the reference
-    solution's last \boxed{}, e.g. "\frac{1}{2}" or "0.5" (data_prep.py math).
-
-    An answer that takes longer than `timeout` seconds scores 0 with a warning (the worker is
-    killed, and the next call starts a new one in under a second); a ground truth math-verify
-    cannot read raises ValueError.
-    "pred" is what eval.py votes on for maj@k.
-    """
-    request = json.dumps([str(solution_str), str(ground_truth)]) + "\n"
-    with _math_lock:
-        for _ in range(2):  # a worker found dead is replaced once; dying twice is this answer's doing
-            process = _start_math_worker()
-            try:
-                process.stdin.write(request)
-                process.stdin.flush()
-                ready, _, _ = select.select([process.stdout], [], [], timeout)
-                line = process.stdout.readline() if ready else ""
-            except OSError:  # it had died before we wrote
-                ready, line = True, ""
-            if line:
-                break
-            _stop_math_worker()
-            if not ready:
-                break  # timed out: the same answer would time out again
-    if not line:
-        pred = last_boxed(str(solution_str))
-        problem = f"gave up after {timeout} s" if not ready else "the worker died on it"
-        warnings.warn(f"math_score: {problem} on the answer {pred!r:.100}; scored 0", stacklevel=2)
-        return {"score": 0.0, "pred": pred}
-    reply = json.loads(line)
-    if "error" in reply:
-        raise ValueError(reply["error"])
-    return reply
-
+from tasks.digits import DIGITS_SOURCE, digits_score
+from tasks.gsm8k import GSM8K_SOURCE, gsm8k_score
+from tasks.math import MATH_SOURCES, math_score
+from tasks.multiply import MULTIPLY_SOURCE, multiply_score
 
 # ----------------------------------------------------------------------------------------------
 # Dispatch by data source (verl's `default_compute_score`)
@@ -549,10 +256,16 @@ def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=Non
     "{where}, sample {i} of the batch": `where` names the batch ("step 3", "validation at step 2") and
     `first` is the place of this rank's first sample in it (every rank's samples count).
 
-    With response_ids (one list of token ids per sample) and/or truncated (one bool per sample),
-    each reward call gets a copy of its row's extra_info with "response_ids", "response_length" =
-    len(response_ids) and "truncated" added (the module docstring). The row is not changed: a
-    prompt's n samples share one row, and the next sample must not see this one's tokens.
+    What a reward function sees in extra_info: the row's own extra_info (data_prep.py writes split and
+    index; verl's files hold more), plus, with response_ids (one list of token ids per sample) and/or
+    truncated (one bool per sample), three keys added to a copy of it:
+
+        response_ids      list[int]  the tokens the model wrote, the final EOS included
+        response_length   int        len(response_ids), counted as verl and overlong_penalty count it
+        truncated         bool       the response hit the length limit instead of stopping on its own
+
+    The row itself is never changed: a prompt's n samples share one row (the next sample must not see
+    this one's tokens), and rows are reused every epoch.
     """
     infos = [r.get("extra_info") for r in rows]
     if response_ids is not None or truncated is not None:
@@ -644,9 +357,23 @@ def load_reward_fns_in_process(specs, weights=None):
 def load_reward_fns(specs, weights=None, timeout=300.0):
     """The reward function for one or more --reward-fn specs, for score_rows and score_responses: a
     RewardWorker, which runs load_reward_fns_in_process(specs, weights) in a worker process and gives
-    each call `timeout` seconds (--reward-timeout; the module docstring says what else it guards
-    against). Error messages name it "file.function", or "1 * file.f + 0.5 * other.g" for several.
-    Raises RuntimeError, with the file's error, if they cannot be loaded."""
+    each call `timeout` seconds (--reward-timeout). Error messages name it "file.function", or
+    "1 * file.f + 0.5 * other.g" for several. Raises RuntimeError, with the file's error, if they
+    cannot be loaded.
+
+    What a --reward-fn function may do, and what happens. The worker process (reward_worker.py), one per
+    rank, lives as long as the run: state a file keeps at module level (a cache, a loaded model, a
+    counter) persists from call to call. A call that raises, calls sys.exit(), ends the process (os._exit,
+    a segfault), runs past the timeout (in Python or in C), or returns something that is not a finite
+    real number (None, NaN, 10**400, the string "1.0", a dict without "score") is a reward error for that
+    sample: by default (--reward-errors raise) the run stops, naming the function, the step, the sample,
+    its data_source and what happened; with --reward-errors skip the sample scores 0 and is counted in the
+    extra key "reward_error" (the trainer logs reward/errors, and val-aux/reward/errors for validation).
+    After an exit, a crash or a time-out the worker is replaced, so module-level state starts again.
+    Extra keys: numbers are logged as their mean; a value that is not a finite number (NaN, inf) is left
+    out of that mean and reported on stderr; strings (maj@k's "pred") and other values are kept but not
+    logged.
+    """
     names = reward_names(specs)
     if len(specs) > 1 or weights is not None:  # weighted_reward's name
         names = [" + ".join(f"{w:g} * {n}" for w, n in zip(weights or [1.0] * len(names), names))]

@@ -1,23 +1,18 @@
 """The worker process that runs --reward-fn functions, so that nothing a reward function does can end the run.
 
-A reward function is the user's code, called once per sample. Called in the trainer's own process, one
-that calls sys.exit() or os._exit(0) ends the run with exit code 0 (torchrun and schedulers read that as
-success), one that never returns hangs the run, and a crash in C code kills it. So each process that scores
-(each rank) runs them in one long-lived worker process of its own:
+A reward function is the user's code. In the trainer's own process, one that calls sys.exit() would end
+the run with exit code 0 (read as success), one that never returns would hang it, and a crash in C code
+would kill it. So each rank runs them in one long-lived worker process of its own:
 
     this process                                   the worker (python reward_worker.py PARENT_PID)
     RewardWorker(specs, weights, timeout)   ---->  loads the reward files itself (functions are never pickled)
     score(samples): the batch, one message  ---->  calls the reward function on each sample in turn
                                             <----  one reply per sample: (score, extras, None) or (.., problem)
 
-We wait at most `timeout` seconds for each reply. A sample whose function raised, called sys.exit, ended
-or crashed the worker, or ran out of time gets a problem instead of a score (reward.score_responses decides
-whether that stops the run). After an exit, a crash or a time-out the worker is killed and a new one loads
-the files and takes the rest of the batch.
-
-State a reward file keeps at module level lives as long as its worker: across calls and steps, until a call
-exits, crashes or times out. The worker ends when we close it (at exit), when its stdin closes, and, on Linux,
-when this process dies (kill -9 included), even in the middle of a call that never returns.
+A sample whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead
+of a score (reward.score_responses decides whether that stops the run); the worker is then replaced and
+takes the rest of the batch. Module-level state of a reward file lives as long as its worker. The worker
+ends when we close it, when its stdin closes, and, on Linux, when this process dies (kill -9 included).
 """
 
 import atexit

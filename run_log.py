@@ -8,7 +8,7 @@
     --logger console,jsonl,wandb --wandb-project NAME
 
 metrics.jsonl is the run's record: checkpoints carry the same history, so a resumed run rewrites
-it whole, and the health report (health.py) reads it. Samples go to <out-dir>/samples/: the first
+it whole, and the health report (report.py) reads it. Samples go to <out-dir>/samples/: the first
 prompt's group of every training step (train.jsonl), and the first validation samples
 (val_step_<step>.jsonl). Every rank calls log() with the same (reduced) metrics; rank 0 writes.
 """
@@ -16,7 +16,6 @@ prompt's group of every training step (train.jsonl), and the first validation sa
 import json
 import math
 import os
-import resource
 import time
 from contextlib import contextmanager
 
@@ -24,7 +23,8 @@ import numpy as np
 import torch
 
 from advantage import zero_std_fraction
-from distributed import all_gather, all_sum, print0
+from distributed import all_gather, all_sum, print0, reduce_metrics
+from memory import memory_gb
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
@@ -78,25 +78,26 @@ def loss_metrics(stats, device):
     return metrics
 
 
-def memory_gb(device):
-    """Peak memory of this process: the GPU's allocator on CUDA, the resident set on CPU (GiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def free_memory_gib(device, ranks_here):
-    """Memory this process can still take (GiB): the GPU's free memory on CUDA; on CPU the machine's
-    available memory (Linux's MemAvailable) split evenly between the `ranks_here` on this machine.
-    None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**30
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return kib / 2**20 / ranks_here
+def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, skipped, timing, args, device):
+    """A training step's metrics under verl's names, reduced over ranks: the loss terms (`stats`, one
+    dict per micro-batch), the rollout's rewards, lengths and advantages (`ro`: train_grpo.StepRollout;
+    `adv_values` per token or per sample; `mask` [N, R] before --mask-truncated), the engine-vs-trainer
+    gap ([N, R] log-probs), the phases' times and the throughput."""
+    prompt_lens = [len(r["prompt_ids"]) for r in ro.rows for _ in range(args.group_size)]
+    metrics = {"actor/lr": lr, **loss_metrics(stats, device), **ro.filter_metrics}
+    metrics.update(rollout_metrics(ro.scores, adv_values, mask, prompt_lens, ro.truncated, ro.extras, args.group_size))
+    if skipped:
+        metrics["actor/skipped_updates"] = skipped
+    if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
+        metrics["reward/errors"] = all_sum(sum(ro.extras["reward_error"]), device)
+    if args.engine_logprobs:
+        metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask))
+    metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+    tokens = mask.sum().item() + sum(prompt_lens)
+    metrics["perf/total_num_tokens"] = all_sum(tokens, device)  # prompt + response tokens, all ranks
+    metrics["perf/throughput"] = tokens / timing["step"]  # tokens/s per rank, as verl reports it
+    metrics["perf/max_memory_allocated_gb"] = memory_gb(device)
+    return reduce_metrics(metrics, device)
 
 
 def sample_records(tokenizer, rows, texts, scores):
@@ -254,7 +255,7 @@ class RunLog:
 
 def json_line(row):
     """One line of metrics.jsonl: strict JSON, so any reader parses it. A metric that is NaN or
-    infinite (a diverged run) is written as null; health.read_run reads null back as NaN, and the
+    infinite (a diverged run) is written as null; report.read_run reads null back as NaN, and the
     report counts it as a problem."""
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
     return json.dumps(clean, allow_nan=False) + "\n"

@@ -99,7 +99,7 @@ def test_bf16_on_two_ranks_with_the_reference_resumes_exactly_and_exports_bf16(t
     assert check_saved_model(final, [f"list 1 2 3 4 5 {d} last" for d in range(4)]) <= 1e-2
     state = json.load(open(tmp_path / "whole" / "global_step_4" / "trainer_state.json"))
     assert state["config"]["dtype"] == "bf16"  # export writes bf16 by default, as final_model
-    export = [sys.executable, "checkpoint.py", "export", str(tmp_path / "whole" / "global_step_4")]
+    export = [sys.executable, "export.py", str(tmp_path / "whole" / "global_step_4")]
     subprocess.run([*export, str(tmp_path / "exported")], cwd=REPO, check=True, capture_output=True)
     assert all(torch.equal(t, wa[k]) for k, t in load_file(tmp_path / "exported" / "model.safetensors").items())
     subprocess.run([*export, str(tmp_path / "fp32"), "--dtype", "fp32"], cwd=REPO, check=True, capture_output=True)

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 import checkpoint
+import integrity
+import rng
+import run_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 short steps on the transformers engine (fast to start), a checkpoint after every step
@@ -200,10 +203,10 @@ def test_a_run_with_no_good_checkpoint_refuses_to_start_over(baselines, tmp_path
 def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(baselines / "ranks1", run)
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    other = build_tiny_model(str(tmp_path / "other_model"), data_prep.TASK_WORDS, layers=3)
+    other = build_tiny_model(str(tmp_path / "other_model"), TASK_WORDS, layers=3)
     from config import DEMO_OVERRIDES  # the run's flags, but for the model
 
     demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
@@ -235,7 +238,7 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
 def test_export_cli_gives_the_trained_policy_in_hf_format(baselines, tmp_path):
     out = tmp_path / "exported"
     proc = subprocess.run(
-        [sys.executable, "checkpoint.py", "export", str(baselines / "ranks2" / "global_step_4"), str(out)],
+        [sys.executable, "export.py", str(baselines / "ranks2" / "global_step_4"), str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -269,13 +272,13 @@ def test_checkpoint_index_unpickler_refuses_anything_else(tmp_path):
     with open(tmp_path / ".metadata", "wb") as f:
         pickle.dump(Exploit(), f)
     with pytest.raises(pickle.UnpicklingError, match="system"):
-        checkpoint.read_index(tmp_path / ".metadata")
+        integrity.read_index(tmp_path / ".metadata")
 
 
 def test_rng_state_round_trips_through_json():
-    state = json.loads(json.dumps(checkpoint.rng_state()))
+    state = json.loads(json.dumps(rng.get_state()))
     first = (random.random(), np.random.rand(), torch.rand(1).item())
-    checkpoint.set_rng_state(state)
+    rng.set_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
@@ -361,7 +364,7 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
     ]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        lock = run / checkpoint.LOCK
+        lock = run / run_dir.LOCK
         for _ in range(300):  # the worker writes its pid into the lock once it holds it
             if lock.exists() and lock.read_text().strip():
                 break
@@ -380,6 +383,6 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
                 break
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{worker}"), "the worker outlived torchrun"
-        checkpoint.lock_run_dir(str(run)).close()  # and the directory is free again
+        run_dir.lock_run_dir(str(run)).close()  # and the directory is free again
     finally:
         launcher.kill()

@@ -1,7 +1,7 @@
-"""checkpoint.py against hostile and damaged checkpoints: loading one runs no code from it, a
-corrupt one is skipped with a message naming the file (and if none is good the run refuses to
-start), an async save is published as soon as every rank has written it, and an export is never
-left half-written. One 2-rank run of checkpoint.py on a tiny model (seconds) makes the checkpoints;
+"""checkpoint.py, integrity.py and export.py against hostile and damaged checkpoints: loading one
+runs no code from it, a corrupt one is skipped with a message naming the file (and if none is good
+the run refuses to start), an async save is published as soon as every rank has written it, and an
+export is never left half-written. One 2-rank run of checkpoint.py on a tiny model (seconds) makes the checkpoints;
 everything else runs in this process."""
 
 import io
@@ -21,6 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
+import export
+import integrity
+import run_dir
+import safe_write
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +39,7 @@ SAVE_AND_LOAD = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import checkpoint, policy
+    import checkpoint, policy, safe_write
 
     model_dir, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -111,7 +115,7 @@ SAVE_AND_LOAD = textwrap.dedent(
     ):
         try:
             write()
-        except checkpoint.NonFiniteError as e:
+        except safe_write.NonFiniteError as e:
             messages[name] = str(e)
     with torch.no_grad():
         param.to_local().copy_(kept)
@@ -125,7 +129,7 @@ SAVE_AND_LOAD = textwrap.dedent(
     dist.barrier()
     try:
         saver.save(2, model, optimizer, {"config": config}, tokenizer)
-    except checkpoint.WriteError as e:
+    except safe_write.WriteError as e:
         messages["devfull"] = str(e)
 
     # a LoRA checkpoint: rank 8 on q_proj and v_proj
@@ -148,11 +152,11 @@ SAVE_AND_LOAD = textwrap.dedent(
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """The directories SAVE_AND_LOAD leaves under <root>, saved by 2 ranks."""
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
     root = tmp_path_factory.mktemp("saved")
-    model_dir = build_tiny_model(str(root / "model"), data_prep.TASK_WORDS, hidden=64, intermediate=128)
+    model_dir = build_tiny_model(str(root / "model"), TASK_WORDS, hidden=64, intermediate=128)
     (root / "save_and_load.py").write_text(SAVE_AND_LOAD)
     cmd = [
         sys.executable,
@@ -178,16 +182,16 @@ def run(saved, tmp_path):
 def test_two_ranks_save_load_exactly_and_poll_publishes_async_saves(saved):
     # the script asserted the exact round trip and poll()'s agreement; here, what it left on disk
     assert checkpoint.find_checkpoint(str(saved / "run"), "auto") == checkpoint.step_dir(str(saved / "run"), 2)
-    assert checkpoint.problem_with(checkpoint.step_dir(saved / "async", 3)) is None
+    assert integrity.problem_with(checkpoint.step_dir(saved / "async", 3)) is None
     assert not [d for d in os.listdir(saved / "async") if d.endswith(".tmp")]
 
 
 def test_shards_hold_only_tensors_and_the_rest_is_json(saved):
     step = checkpoint.step_dir(saved / "run", 2)
-    index = checkpoint.read_index(os.path.join(step, "shards", ".metadata"))
+    index = integrity.read_index(os.path.join(step, "shards", ".metadata"))
     assert {type(entry).__name__ for entry in index.state_dict_metadata.values()} == {"TensorStorageMetadata"}
     assert any(fqn.startswith("optim.state.") and fqn.endswith(".exp_avg_sq") for fqn in index.state_dict_metadata)
-    with open(os.path.join(step, checkpoint.NON_TENSORS)) as f:
+    with open(os.path.join(step, integrity.NON_TENSORS)) as f:
         (group,) = json.load(f)["optim"]["param_groups"]
     assert group["lr"] == 1e-3 and group["betas"] == [0.9, 0.99] and group["weight_decay"] == 0.1
 
@@ -239,8 +243,8 @@ def test_an_index_that_names_anything_else_is_refused(run, tmp_path, module, nam
     with open(index, "wb") as f:
         f.write(calls(module, name, f"touch {marker}"))
     with pytest.raises(pickle.UnpicklingError, match=re.escape(f"{index} refers to ({module!r}, {name!r})")):
-        checkpoint.read_index(index)
-    assert f"refers to ({module!r}, {name!r})" in checkpoint.problem_with(checkpoint.step_dir(run, 2))
+        integrity.read_index(index)
+    assert f"refers to ({module!r}, {name!r})" in integrity.problem_with(checkpoint.step_dir(run, 2))
     assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
     assert not os.path.exists(marker)
 
@@ -270,14 +274,14 @@ def test_a_shard_entry_that_is_a_pickle_is_refused(run, tmp_path):
         dcp.CheckpointException,
         match=re.escape(os.path.join(shards, "__0_0.distcp") + ": w is stored as a pickled object"),
     ):
-        dcp.load({"w": torch.zeros(1)}, storage_reader=checkpoint.SafeReader(shards), no_dist=True)
+        dcp.load({"w": torch.zeros(1)}, storage_reader=integrity.SafeReader(shards), no_dist=True)
     # and a checkpoint holding one is skipped before anything reads it
-    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith(
+    assert integrity.problem_with(checkpoint.step_dir(run, 2)).startswith(
         "the shards hold pickled objects (w), which we never load"
     )
     assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
     with pytest.raises(SystemExit, match="cannot export: the shards hold pickled objects"):
-        checkpoint.export(checkpoint.step_dir(run, 2), str(tmp_path / "exported"))
+        export.export(checkpoint.step_dir(run, 2), str(tmp_path / "exported"))
     assert not os.path.exists(marker)
 
 
@@ -305,7 +309,7 @@ def garbage_like(path):
             lambda p: b'{"step": 2, "world_size": 2}',
             "trainer_state.json is unreadable (ValueError: expected a step, a world_size and a config)",
         ),
-        (checkpoint.NON_TENSORS, lambda p: b'{"optim": ', f"{checkpoint.NON_TENSORS} is unreadable (JSONDecodeError"),
+        (integrity.NON_TENSORS, lambda p: b'{"optim": ', f"{integrity.NON_TENSORS} is unreadable (JSONDecodeError"),
         ("hf/config.json", lambda p: b"\x00", "hf/config.json is unreadable (JSONDecodeError"),
         ("shards/__0_0.distcp", garbage_like, "shard __0_0.distcp is corrupt: "),
         ("shards/__1_0.distcp", lambda p: open(p, "rb").read()[:-1], "shard __1_0.distcp is missing or truncated"),
@@ -316,7 +320,7 @@ def test_a_corrupt_checkpoint_is_skipped_naming_the_file(run, capsys, name, dama
     content = damage(path)
     with open(path, "wb") as f:
         f.write(content)
-    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith(problem)
+    assert integrity.problem_with(checkpoint.step_dir(run, 2)).startswith(problem)
     assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
     assert f"resume: skipping {checkpoint.step_dir(run, 2)}: {problem}" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=re.escape(f"global_step_2: cannot resume from it: {problem}")):
@@ -367,19 +371,19 @@ def test_an_export_is_never_left_half_written(saved, tmp_path):
     def weights():
         return load_file(out / "model.safetensors")["model.embed_tokens.weight"]
 
-    checkpoint.write_hf(first, model.config, model.generation_config, None, str(out))
+    export.write_hf(first, model.config, model.generation_config, None, str(out))
     assert torch.equal(weights(), first["model.embed_tokens.weight"])
     # a write that fails: the previous model stays whole, and the unfinished copy is removed
     with pytest.raises(
-        checkpoint.WriteError, match=f"writing the model {out}: writing {out}.tmp failed: OSError: disk full"
+        safe_write.WriteError, match=f"writing the model {out}: writing {out}.tmp failed: OSError: disk full"
     ):
-        checkpoint.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
+        export.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
     assert torch.equal(weights(), first["model.embed_tokens.weight"]) and not os.path.exists(f"{out}.tmp")
     os.rename(out, f"{out}.old")  # a crash between the two renames: the previous model is put back
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
+        export.write_hf(second, model.config, model.generation_config, BrokenTokenizer(), str(out))
     assert torch.equal(weights(), first["model.embed_tokens.weight"])
-    checkpoint.write_hf(second, model.config, model.generation_config, None, f"{out}/")  # replaced only now
+    export.write_hf(second, model.config, model.generation_config, None, f"{out}/")  # replaced only now
     assert torch.equal(weights(), second["model.embed_tokens.weight"])
     assert sorted(os.listdir(tmp_path)) == ["final_model"]  # no .tmp or .old left behind
     assert torch.equal(
@@ -395,19 +399,19 @@ def reseal(step_path):
     """Write checksums.json again, as if the edited checkpoint had been saved that way: for tests
     that change a checkpoint on purpose and want another check to catch it."""
     with open(os.path.join(step_path, "trainer_state.json")) as f:
-        checkpoint.write_checksums(step_path, json.load(f)["step"])
+        integrity.write_checksums(step_path, json.load(f)["step"])
 
 
 def test_every_file_of_a_checkpoint_has_a_checksum_and_the_step(saved):
     for step_path, step in ((checkpoint.step_dir(saved / "run", 2), 2), (checkpoint.step_dir(saved / "async", 3), 3)):
-        with open(os.path.join(step_path, checkpoint.CHECKSUMS)) as f:
+        with open(os.path.join(step_path, integrity.CHECKSUMS)) as f:
             checksums = json.load(f)
         on_disk = {
             os.path.relpath(os.path.join(root, name), step_path)
             for root, _, names in os.walk(step_path)
             for name in names
         }
-        assert checksums["step"] == step and set(checksums["files"]) == on_disk - {checkpoint.CHECKSUMS}
+        assert checksums["step"] == step and set(checksums["files"]) == on_disk - {integrity.CHECKSUMS}
         shards = {rel for rel in on_disk if rel.endswith(".distcp")}
         assert shards == {
             "shards/__0_0.distcp",
@@ -426,7 +430,7 @@ def flip(path, offset, mask=0x01):
 
 def tensor_bytes(step_path, fqn):
     """(shard file, offset) of the middle byte of the tensor `fqn`'s data in rank 0's shard."""
-    index = checkpoint.read_index(os.path.join(step_path, "shards", ".metadata"))
+    index = integrity.read_index(os.path.join(step_path, "shards", ".metadata"))
     info = min((info for key, info in index.storage_data.items() if key.fqn == fqn), key=lambda i: i.relative_path)
     shard = os.path.join(step_path, "shards", info.relative_path)
     with open(shard, "rb") as f:
@@ -450,7 +454,7 @@ def test_flipped_bytes_inside_a_shard_are_found(run, capsys, mask):
     flip(shard, offset, mask)
     flip(shard, offset + 64, mask)
     assert os.path.getsize(shard) == size
-    problem = checkpoint.problem_with(step_path)
+    problem = integrity.problem_with(step_path)
     name = os.path.basename(shard)
     assert problem.startswith(f"shard {name} is corrupt: model.model.embed_tokens.weight at byte ")
     assert problem.endswith("does not match its CRC-32"), problem
@@ -460,11 +464,11 @@ def test_flipped_bytes_inside_a_shard_are_found(run, capsys, mask):
 
 def test_a_number_changed_in_a_json_file_is_found(run):
     step_path = checkpoint.step_dir(run, 2)
-    state_file = os.path.join(step_path, checkpoint.NON_TENSORS)
+    state_file = os.path.join(step_path, integrity.NON_TENSORS)
     text = open(state_file).read()
     open(state_file, "w").write(text.replace('"lr": 0.001', '"lr": 0.002'))  # still valid JSON, same length
-    assert checkpoint.problem_with(step_path) == (
-        f"{checkpoint.NON_TENSORS} does not match its checksum in {checkpoint.CHECKSUMS}: it changed after the save"
+    assert integrity.problem_with(step_path) == (
+        f"{integrity.NON_TENSORS} does not match its checksum in {integrity.CHECKSUMS}: it changed after the save"
     )
 
 
@@ -498,24 +502,24 @@ def test_files_copied_from_another_step_are_found(run, capsys, copied, problem):
             shutil.copytree(src, dst)
         else:
             shutil.copy(src, dst)
-    assert checkpoint.problem_with(checkpoint.step_dir(run, 2)).startswith(problem)
+    assert integrity.problem_with(checkpoint.step_dir(run, 2)).startswith(problem)
     assert checkpoint.find_checkpoint(str(run), "auto") == checkpoint.step_dir(str(run), 1)
     assert f"resume: skipping {checkpoint.step_dir(run, 2)}: {problem}" in capsys.readouterr().out
 
 
 def test_a_checkpoint_from_before_checksums_is_accepted_with_a_warning(run, capsys):
     step_path = checkpoint.step_dir(run, 2)
-    os.remove(os.path.join(step_path, checkpoint.CHECKSUMS))
-    assert checkpoint.problem_with(step_path) == "checksums.json is missing"  # this save promised one
+    os.remove(os.path.join(step_path, integrity.CHECKSUMS))
+    assert integrity.problem_with(step_path) == "checksums.json is missing"  # this save promised one
     state_file = os.path.join(step_path, "trainer_state.json")
     state = json.load(open(state_file))
     del state["checksums"]
     json.dump(state, open(state_file, "w"))
-    assert checkpoint.problem_with(step_path) is None
+    assert integrity.problem_with(step_path) is None
     assert f"{step_path}: no checksums.json (saved before checkpoints had checksums)" in capsys.readouterr().out
     shard, offset = tensor_bytes(step_path, "model.model.embed_tokens.weight")
     flip(shard, offset)  # its records' CRC-32s still catch a flipped byte
-    assert checkpoint.problem_with(step_path).endswith("does not match its CRC-32")
+    assert integrity.problem_with(step_path).endswith("does not match its CRC-32")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,8 +548,8 @@ def test_write_hf_refuses_a_nan(saved, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(saved / "model", dtype=torch.float32)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
-    with pytest.raises(checkpoint.NonFiniteError, match=r"model.layers.1.mlp.up_proj.weight holds inf or NaN"):
-        checkpoint.write_hf(state, model.config, model.generation_config, None, str(tmp_path / "model"))
+    with pytest.raises(safe_write.NonFiniteError, match=r"model.layers.1.mlp.up_proj.weight holds inf or NaN"):
+        export.write_hf(state, model.config, model.generation_config, None, str(tmp_path / "model"))
     assert os.listdir(tmp_path) == []
 
 
@@ -573,7 +577,7 @@ FILL_THE_DISK = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import checkpoint, policy
+    import checkpoint, integrity, policy, safe_write
 
     model_dir, disk, results = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
@@ -603,10 +607,10 @@ FILL_THE_DISK = textwrap.dedent(
     ):
         try:
             write()
-        except checkpoint.WriteError as e:
+        except safe_write.WriteError as e:
             out[name] = str(e)
     if rank == 0:
-        cmd = [sys.executable, "checkpoint.py", "export", checkpoint.step_dir(run, 1), os.path.join(disk, "exported")]
+        cmd = [sys.executable, "export.py", checkpoint.step_dir(run, 1), os.path.join(disk, "exported")]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         out["export"] = [proc.returncode, proc.stderr]
         tracker = open(os.path.join(run, checkpoint.TRACKER)).read()
@@ -616,7 +620,7 @@ FILL_THE_DISK = textwrap.dedent(
     dist.barrier()
     saver.save(2, model, optimizer, {"config": config}, tokenizer)
     policy.save_hf(model, tokenizer, os.path.join(disk, "final_model"), rank, step=2)
-    out["after"] = [sorted(os.listdir(disk)), checkpoint.problem_with(checkpoint.step_dir(run, 2))]
+    out["after"] = [sorted(os.listdir(disk)), integrity.problem_with(checkpoint.step_dir(run, 2))]
     with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -667,7 +671,7 @@ def test_saves_and_exports_onto_a_really_full_disk_say_so_and_leave_nothing_half
         assert "failed: no space left on device" in o["save"] and "Free some space" in o["save"]
         assert f"resumes from the newest complete checkpoint in {run}" in o["save"]
         assert o["save_hf"].startswith(f"writing the model {disk / 'final_model'}: writing {disk / 'final_model'}.tmp")
-        assert "failed: no space left on device" in o["save_hf"] and "python checkpoint.py export" in o["save_hf"]
+        assert "failed: no space left on device" in o["save_hf"] and "python export.py" in o["save_hf"]
         assert "async" not in o, o["async"]  # the background save fails in the background...
         shards = os.path.join(checkpoint.step_dir(disk / "async", 2) + ".tmp", "shards")
         assert o["async_wait"].startswith(f"saving {checkpoint.step_dir(disk / 'async', 2)}: writing {shards} failed")
@@ -689,7 +693,7 @@ def test_saves_and_exports_onto_a_really_full_disk_say_so_and_leave_nothing_half
 KILL_DURING_EXPORT = textwrap.dedent(
     """
     import os, signal, sys
-    import checkpoint
+    import export
 
     class KilledWhileWriting:  # the weights are written; the process dies writing the tokenizer
         def save_pretrained(self, path):
@@ -702,7 +706,7 @@ KILL_DURING_EXPORT = textwrap.dedent(
     state = load_file(os.path.join(model_dir, "model.safetensors"))
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     config, generation = AutoConfig.from_pretrained(model_dir), GenerationConfig.from_pretrained(model_dir)
-    checkpoint.write_hf(state, config, generation, KilledWhileWriting(), out, step=2)
+    export.write_hf(state, config, generation, KilledWhileWriting(), out, step=2)
     """
 )
 
@@ -712,26 +716,26 @@ def test_a_kill_during_the_final_export_is_told_and_repaired(saved, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(saved / "run", run)
     newest = checkpoint.step_dir(str(run), 2)
-    assert checkpoint.final_model_problem(str(run), newest) == f"{run / 'final_model'} is missing"
+    assert export.final_model_problem(str(run), newest) == f"{run / 'final_model'} is missing"
     (tmp_path / "kill.py").write_text(KILL_DURING_EXPORT)
     for attempt in range(2):  # killed with no final model, then with an older one in place
         cmd = [sys.executable, str(tmp_path / "kill.py"), str(saved / "model"), str(run / "final_model")]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
         assert proc.returncode == -9, proc.stderr[-3000:]
         assert os.path.isdir(run / "final_model.tmp") and os.path.isfile(run / "final_model.tmp" / "model.safetensors")
-        assert checkpoint.final_model_problem(str(run), newest) == (
+        assert export.final_model_problem(str(run), newest) == (
             f"{run / 'final_model'}.tmp is a final model whose writing was interrupted"
         )
         if attempt == 0:
             assert not os.path.exists(run / "final_model")
-            checkpoint.export(checkpoint.step_dir(str(run), 1), str(run / "final_model"))  # an earlier end of the run
-            assert checkpoint.final_model_problem(str(run), newest) == (
+            export.export(checkpoint.step_dir(str(run), 1), str(run / "final_model"))  # an earlier end of the run
+            assert export.final_model_problem(str(run), newest) == (
                 f"{run / 'final_model'} holds step 1, and the newest checkpoint, {newest}, step 2"
             )
-    checkpoint.export(newest, str(run / "final_model"))  # what a finished run does about it
-    assert checkpoint.final_model_problem(str(run), newest) is None
+    export.export(newest, str(run / "final_model"))  # what a finished run does about it
+    assert export.final_model_problem(str(run), newest) is None
     assert sorted(d for d in os.listdir(run) if d.startswith("final_model")) == ["final_model"]
-    assert json.load(open(run / "final_model" / checkpoint.MODEL_STEP)) == {"step": 2}
+    assert json.load(open(run / "final_model" / export.MODEL_STEP)) == {"step": 2}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,7 +747,7 @@ def test_a_lora_checkpoint_of_another_rank_is_refused_before_loading(saved):
     from transformers import AutoModelForCausalLM
 
     path = checkpoint.step_dir(str(saved / "lora"), 1)
-    assert checkpoint.problem_with(path) is None
+    assert integrity.problem_with(path) is None
     for r, targets in ((16, ["q_proj", "v_proj"]), (8, ["q_proj", "k_proj", "v_proj"])):
         model = AutoModelForCausalLM.from_pretrained(saved / "model", dtype=torch.float32)
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=16, target_modules=targets))
@@ -779,12 +783,12 @@ def test_check_run_dir_refuses_other_lora_shapes_even_when_allowed(run, tmp_path
     config = dict(saved_config, **{flag: now})
     for out_dir, resume in ((str(run), "auto"), (str(tmp_path / "new_run"), step_path)):
         with pytest.raises(SystemExit) as error:
-            checkpoint.check_run_dir(out_dir, resume, config, allow_changed={flag})
+            run_dir.check_run_dir(out_dir, resume, config, allow_changed={flag})
         message = str(error.value)
         assert message.startswith(f"{step_path} cannot continue with other LoRA shapes:")
         assert f"--{flag.replace('_', '-')}: {then!r} there, {now!r} now" in message
         assert "not even --allow-changed" in message and f"--{flag.replace('_', '-')} {then}" in message
-    assert checkpoint.check_run_dir(str(run), "auto", saved_config) == step_path  # the same shapes continue
+    assert run_dir.check_run_dir(str(run), "auto", saved_config) == step_path  # the same shapes continue
 
 
 # ----------------------------------------------------------------------------------------------
@@ -812,8 +816,8 @@ def test_export_refuses_a_config_that_names_code_even_when_told_yes(run, tmp_pat
         config["model_type"] = "evil"
     json.dump(config, open(os.path.join(hf, file), "w"))
     reseal(step_path)  # so that only the code check stands in the way
-    assert checkpoint.problem_with(step_path) is None
-    cmd = [sys.executable, "checkpoint.py", "export", step_path, str(tmp_path / "exported")]
+    assert integrity.problem_with(step_path) is None
+    cmd = [sys.executable, "export.py", step_path, str(tmp_path / "exported")]
     proc = subprocess.run(cmd, cwd=REPO, input="y\ny\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and not os.path.exists(marker)
     assert (

@@ -176,7 +176,7 @@ FREE = {
 
 
 def test_every_field_has_a_bad_case():
-    """A new flag needs a rule in check_args (or a choice in CHOICES) and a line in BAD."""
+    """A new flag needs a rule (rule or one_of on its Args field, or one in check_args) and a line in BAD."""
     tested = {a.removeprefix("--").replace("-", "_") for argv, _ in BAD for a in argv if a.startswith("--")}
     missing = {f.name for f in dataclasses.fields(config.Args)} - FREE - tested
     assert not missing, f"no bad case in BAD for {sorted(missing)}"

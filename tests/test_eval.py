@@ -84,12 +84,12 @@ def test_samples_table_is_one_readable_line_per_sample():
 
 @pytest.fixture(scope="module")
 def tiny_eval_setup(tmp_path_factory):
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS, write_digits
 
     root = tmp_path_factory.mktemp("eval")
-    data_prep.write_task(str(root / "data"), seed=0, train_size=10, test_size=12)
-    return root, build_tiny_model(str(root / "model"), data_prep.TASK_WORDS)
+    write_digits(str(root / "data"), seed=0, train_size=10, test_size=12)
+    return root, build_tiny_model(str(root / "model"), TASK_WORDS)
 
 
 @pytest.mark.slow
@@ -153,9 +153,9 @@ def test_standalone_eval_caps_responses_at_the_models_context(tiny_eval_setup):
 
 def test_a_missing_model_is_named(tmp_path):
     # before: "missing" went to the hub and failed with a "Repo id" error that named no flag
-    import data_prep
+    from tasks.digits import write_digits
 
-    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=4)
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=4)
     env = dict(os.environ, HF_HUB_OFFLINE="1")  # a machine without the hub, at once
     for model, message in [
         ("missing", "--model missing: not a local model directory, and it cannot be loaded as a Hugging Face hub id"),
@@ -183,9 +183,10 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
     from models import build_tiny_model
     from reward import compute_score
     from rollout import VALIDATION_STEP, Rollout, sampling_seeds
+    from tasks.digits import TASK_WORDS, write_digits
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), data_prep.TASK_WORDS))
-    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
     rows, _ = data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer)
     answers = [r["reward_model"]["ground_truth"] for r in rows]
     # two stop ids, as Qwen's <|im_end|> and <|endoftext|>
@@ -246,7 +247,7 @@ def test_eval_on_a_training_checkpoint_says_how_to_export_it(tiny_eval_setup, tm
     proc = run_eval("--model", str(step), "--data", str(root / "data" / "test.parquet"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"--model: {str(step)!r} is a training checkpoint (trainer_state.json, shards/)" in proc.stderr
-    assert f"`python checkpoint.py export {step} OUT_DIR`" in proc.stderr
+    assert f"`python export.py {step} OUT_DIR`" in proc.stderr
 
 
 @pytest.mark.slow

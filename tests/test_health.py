@@ -1,4 +1,4 @@
-"""health.py: live warnings from logged rows, and the end-of-run report from a run directory.
+"""health.py: live warnings from logged rows; report.py: the end-of-run report from a run directory.
 
 The rows here are synthetic, shaped like train_grpo.py's metrics.jsonl; the real runs are in
 test_train_grpo.py (a healthy short run, and one made unhealthy on purpose).
@@ -11,6 +11,7 @@ import pytest
 
 import eval as evaluate
 import health
+import report
 
 VAL = "val-core/synthetic/digits/reward/mean@1"
 
@@ -120,7 +121,7 @@ def test_non_finite_metrics_warn_live_and_make_the_report_a_problem(tmp_path):
     write_run(run, rows, max_steps=10)
     (run / "metrics.jsonl").write_text("".join(json_line(r) for r in rows))  # as the trainer writes them
     assert all(json.loads(line, parse_constant=lambda c: pytest.fail(c)) for line in open(run / "metrics.jsonl"))
-    path, counts = health.write_report(str(run))
+    path, counts = report.write_report(str(run))
     found = verdicts(open(path).read())
     for check in (
         "entropy (actor/entropy)",
@@ -198,7 +199,7 @@ def test_report_of_a_healthy_run(tmp_path):
         if s % 20 == 0:
             rows[-1][VAL] = 0.1 + 0.35 * s / 100
     write_run(tmp_path / "run", rows)
-    path, counts = health.write_report(str(tmp_path / "run"))
+    path, counts = report.write_report(str(tmp_path / "run"))
     text = open(path).read()
     assert counts == dict(problem=0, watch=0, healthy=14, overall="healthy"), text
     for section in (
@@ -214,14 +215,14 @@ def test_report_of_a_healthy_run(tmp_path):
     assert f"| final `{VAL}` | 0.450 at step 100 (first 0.100, best 0.450 at step 100) | healthy |" in text
     assert "| q1 \\| x | a1 | 1 |" in text  # a sample, with its '|' escaped for the table
     assert "after 100 steps of 100; model `m`" in text
-    for name in health.PLOTS:
+    for name in report.PLOTS:
         assert (tmp_path / "run" / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{name[:-4]}]({name})" in text
 
 
 def test_report_of_a_run_sized_by_epochs_says_so(tmp_path):
     write_run(tmp_path / "run", [{"step": 0, VAL: 0.1}, step_row(1), step_row(2)], max_steps=-1, epochs=2)
-    path, _ = health.write_report(str(tmp_path / "run"))
+    path, _ = report.write_report(str(tmp_path / "run"))
     text = open(path).read()
     assert "after 2 steps (2 epochs planned); model `m`" in text  # not "of -1"
     # its only validation is the one before training: nothing to compare the train reward with
@@ -249,7 +250,7 @@ def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
             rows[-1][VAL] = 0.5 if s <= 50 else 0.5 - 0.05 * (s - 50) / 10
     rows[-1]["actor/skipped_updates"] = 1
     write_run(tmp_path / "run", rows)
-    path, counts = health.write_report(str(tmp_path / "run"))
+    path, counts = report.write_report(str(tmp_path / "run"))
     got = verdicts(open(path).read())
     assert counts["overall"] == "problem"
     expected = {
@@ -272,12 +273,12 @@ def test_report_reads_a_run_killed_mid_write_and_names_a_corrupt_line(tmp_path, 
     write_run(tmp_path / "run", rows)
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "actor/gr')  # the process died while writing
-    health.write_report(str(tmp_path / "run"))
+    report.write_report(str(tmp_path / "run"))
     assert "the last line is incomplete" in capsys.readouterr().out
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join([lines[0], "not json", *lines[1:5]]) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
-        health.write_report(str(tmp_path / "run"))
+        report.write_report(str(tmp_path / "run"))
 
 
 def test_eval_report_command(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Bad inputs fail when they are loaded, naming the file at fault, not at the training step or
 engine load that first touches them: data rows with no reward, and model directories with a piece
-missing or cut short (rollout.check_model_path). No engine is built here."""
+missing or cut short (models.check_model_path). No engine is built here."""
 
 import json
 import os
@@ -12,8 +12,9 @@ import pytest
 from test_data_prep import GOOD  # one valid row of verl's schema
 
 from data_prep import DataError, load_dataset
+from models import check_model_path
 from reward import BUILTIN_SOURCES
-from rollout import check_model_path, make_engine
+from rollout import make_engine
 
 
 def write_rows(path, rows):
@@ -230,14 +231,14 @@ def test_an_unknown_or_missing_model_type_is_refused(model_copy):
 
 LOADERS = """
 import sys
-import rollout, policy, reward_model, torch
+import hf_engine, rollout, policy, reward_model, torch
 path = sys.argv[1]
-rollout.check_model_path = lambda p: None  # as if the check were missed: each loader must still refuse
+hf_engine.check_model_path = lambda p: None  # as if the check were missed: each loader must still refuse
 reward_model.check_reward_model = lambda p: None
 for name, load in [
     ("policy.load_model", lambda: policy.load_model(path, torch.float32, "cpu")),
     ("rollout.stop_token_ids", lambda: rollout.stop_token_ids(path)),
-    ("rollout.HFEngine", lambda: rollout.HFEngine(path, max_model_len=32)),
+    ("hf_engine.HFEngine", lambda: hf_engine.HFEngine(path, max_model_len=32)),
     ("reward_model.load_reward_model", lambda: reward_model.load_reward_model(path, None, torch.device("cpu"))),
 ]:
     try:
@@ -268,7 +269,7 @@ def test_no_loader_runs_the_model_directorys_code_even_when_the_console_says_yes
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not marker.exists(), proc.stdout
-    for name in ("policy.load_model", "rollout.HFEngine", "reward_model.load_reward_model"):  # their model classes
+    for name in ("policy.load_model", "hf_engine.HFEngine", "reward_model.load_reward_model"):  # their model classes
         assert f"{name} refused:" in proc.stdout, proc.stdout
     assert "rollout.stop_token_ids loaded" in proc.stdout  # the tokenizer is a built-in one: no code needed
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
@@ -285,10 +286,10 @@ def test_a_training_checkpoint_run_directory_or_adapter_says_what_to_pass(tmp_pa
     with pytest.raises(FileNotFoundError) as err:
         check_model_path(str(step))
     assert "is a training checkpoint (trainer_state.json, shards/)" in str(err.value)
-    assert f"`python checkpoint.py export {step} OUT_DIR`" in str(err.value)
+    assert f"`python export.py {step} OUT_DIR`" in str(err.value)
     with pytest.raises(FileNotFoundError, match="training run directory") as err:
         check_model_path(str(run))
-    assert f"python checkpoint.py export {step} OUT_DIR" in str(err.value) and "final_model/, once" in str(err.value)
+    assert f"python export.py {step} OUT_DIR" in str(err.value) and "final_model/, once" in str(err.value)
     os.makedirs(run / "final_model")
     (run / "final_model" / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=f"Pass the model it saved \\({run / 'final_model'}\\)"):
@@ -301,7 +302,7 @@ def test_a_training_checkpoint_run_directory_or_adapter_says_what_to_pass(tmp_pa
 
 
 def test_context_length_follows_vllms_rule(model_copy):
-    from rollout import check_context_length, context_length
+    from models import check_context_length, context_length
 
     config, tokenizer_config = (os.path.join(model_copy, f) for f in ("config.json", "tokenizer_config.json"))
     assert context_length(model_copy) == (512, f"max_position_embeddings in {config}")  # the tiny model's

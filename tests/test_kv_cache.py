@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import rollout
+import vllm_engine
 from models import build_tiny_model
-from rollout import VLLMEngine
+from vllm_engine import VLLMEngine
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]  # as test_rollout.py: ids up to 18
 MAX_LEN = 512
@@ -38,7 +38,7 @@ def test_the_kv_cache_is_sized_for_the_rollout_and_seeds_hold_when_it_overflows(
     engine = VLLMEngine(model_path, max_model_len=MAX_LEN, seed=0, sequences=2, memory_gib=64.0)
     try:
         assert engine.kv_cache_tokens == 2 * MAX_LEN
-        per_token = rollout.kv_bytes_per_token(config, torch.float32)
+        per_token = vllm_engine.kv_bytes_per_token(config, torch.float32)
         assert engine.kv_cache_gib == pytest.approx(2 * MAX_LEN * per_token / 2**30)
         rng = random.Random(1)
         prompts = [[1] + [rng.randrange(7, 19) for _ in range(rng.randrange(3, 30))] for _ in range(16)]

@@ -11,15 +11,15 @@ import pytest
 import torch
 from conftest import REPO, check_saved_model, metrics, run_script
 
-import data_prep
 import lora
 from models import build_tiny_model
+from tasks.digits import TASK_WORDS
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("lora") / "tiny"
-    build_tiny_model(path, data_prep.TASK_WORDS, seed=0)
+    build_tiny_model(path, TASK_WORDS, seed=0)
     return path
 
 
@@ -183,12 +183,12 @@ def test_lora_checkpoint_holds_the_adapters_only(lora_run):
 
 
 def checkpoint_keys(ckpt):
-    import checkpoint
+    import integrity
 
     return sorted(
         {
             k.split(".", 1)[1]
-            for k in checkpoint.read_index(str(ckpt / "shards" / ".metadata")).state_dict_metadata
+            for k in integrity.read_index(str(ckpt / "shards" / ".metadata")).state_dict_metadata
             if k.startswith("model.")
         }
     )
@@ -211,7 +211,7 @@ def test_final_model_and_adapter_load_without_the_trainer(lora_run, tmp_path):
     # export of the last checkpoint (saved by 2 ranks, exported by one process) gives both again
     out = tmp_path / "exported"
     proc = subprocess.run(
-        [sys.executable, "checkpoint.py", "export", str(lora_run / "global_step_4"), str(out)],
+        [sys.executable, "export.py", str(lora_run / "global_step_4"), str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-r"""reward.math_score: MATH answers compared as mathematics (math-verify), not as strings.
+r"""tasks/math.py's math_score: MATH answers compared as mathematics (math-verify), not as strings.
 
 The cases below are labelled by hand: what a careful human grader says about the model's final
 \boxed{} answer against the reference answer. `naive_wrong` marks the cases that plain string
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from reward import BUILTIN_SOURCES, MATH_SOURCES, compute_score, last_boxed, math_score, math_verify_score
+from reward import BUILTIN_SOURCES, compute_score
+from tasks.math import MATH_SOURCES, last_boxed, math_score, math_verify_score
 
 # (response, ground truth, expected score, naive_wrong)
 CASES = [
@@ -250,13 +251,13 @@ def test_math_score_works_in_threads_and_leaves_signal_alarms_alone():
 
 
 def test_a_dead_worker_is_replaced_and_one_that_cannot_start_is_a_clear_error(monkeypatch):
-    import reward
+    from tasks import math_verify_worker
 
     math_score(r"\boxed{2}", "2")
-    reward._math_worker["process"].kill()  # killed from outside (the OOM killer, say)
+    math_verify_worker._math_worker["process"].kill()  # killed from outside (the OOM killer, say)
     assert math_score(r"\boxed{2}", "2")["score"] == 1.0
-    reward._stop_math_worker()
-    monkeypatch.setattr(reward.sys, "executable", "/bin/false")  # a Python without math-verify, in effect
+    math_verify_worker._stop_math_worker()
+    monkeypatch.setattr(math_verify_worker.sys, "executable", "/bin/false")  # a Python without math-verify, in effect
     with pytest.raises(RuntimeError, match="worker process could not start.*math-verify installed"):
         math_score(r"\boxed{2}", "2")
 

@@ -90,9 +90,9 @@ def test_random_model_cli_names_a_missing_config(tmp_path):
 
 
 def test_tiny_cli_builds_the_demos_model_whose_vocabulary_covers_the_task(tmp_path):
-    """`python models.py tiny` writes what `train_grpo.py --model tiny` builds (data_prep.TASK_WORDS):
+    """`python models.py tiny` writes what `train_grpo.py --model tiny` builds (TASK_WORDS):
     a digits-only vocabulary would read the task's "list", "first" and "last" as <unk>."""
-    import data_prep
+    from tasks.digits import TASK_WORDS
 
     proc = subprocess.run(
         [sys.executable, "models.py", "tiny", "--out", str(tmp_path / "cli")],
@@ -102,7 +102,7 @@ def test_tiny_cli_builds_the_demos_model_whose_vocabulary_covers_the_task(tmp_pa
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cli, demo = str(tmp_path / "cli"), build_tiny_model(str(tmp_path / "demo"), data_prep.TASK_WORDS, seed=0)
+    cli, demo = str(tmp_path / "cli"), build_tiny_model(str(tmp_path / "demo"), TASK_WORDS, seed=0)
     tok = AutoTokenizer.from_pretrained(cli)
     assert tok.get_vocab() == AutoTokenizer.from_pretrained(demo).get_vocab()
     for text in ("list 2 9 1 4 1 7 last", "list 0 1 2 3 4 5 first"):

@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import memory  # noqa: E402
 import policy  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -19,10 +20,10 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
     length); the log-probs must be those of one forward pass over the whole padded batch."""
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS)).eval()
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS)).eval()
     g = torch.Generator().manual_seed(0)
     lens = [(2, 1), (9, 7), (3, 12), (5, 2), (9, 12), (4, 6), (2, 3)]  # (prompt, response) lengths
     prompts = [torch.randint(3, 20, (p,), generator=g).tolist() for p, _ in lens]
@@ -37,7 +38,7 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
             assert len(parts) > 1 and all(
                 len(mb) == 1 or len(mb) * policy.window(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts
             )
-        got = policy.compute_logprobs(model, batch, micro, max_tokens, temperature=1.0, device=CPU)
+        got = policy.compute_logprobs(model, batch, micro=micro, max_tokens=max_tokens, temperature=1.0, device=CPU)
         torch.testing.assert_close(got * batch["response_mask"], whole * batch["response_mask"], rtol=0, atol=1e-5)
     view = policy.window(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
     assert view["input_ids"].shape == (2, 7) and view["responses"].shape == (2, 2)
@@ -66,11 +67,11 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     back afterwards."""
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     from loss import entropy_from_logits, logprobs_from_logits
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS))
     assert policy.fusable_head(model) is model.lm_head and model.lm_head.weight is model.model.embed_tokens.weight
     if not tied:
         model.lm_head.weight = torch.nn.Parameter(
@@ -120,10 +121,10 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
     groups cut by size and by tokens, one-token responses, the fused head and the logits path."""
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS))
     g = torch.Generator().manual_seed(2)
     n, prompt_lens = 3, (4, 9, 2, 6)
     prompts = [p for p in (torch.randint(3, 20, (k,), generator=g).tolist() for k in prompt_lens) for _ in range(n)]
@@ -170,8 +171,8 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
         view = policy.window(shared, mb)
         cost = len(mb) // n * view["prompt_width"] + len(mb) * view["responses"].shape[1]
         assert len(mb) == n or cost <= 40
-    got = policy.compute_logprobs(model, shared, 99, 40, temperature=1.0, device=CPU)
-    want = policy.compute_logprobs(model, plain, 99, 40, temperature=1.0, device=CPU)
+    got = policy.compute_logprobs(model, shared, micro=99, max_tokens=40, temperature=1.0, device=CPU)
+    want = policy.compute_logprobs(model, plain, micro=99, max_tokens=40, temperature=1.0, device=CPU)
     torch.testing.assert_close(got * plain["response_mask"], want * plain["response_mask"], atol=1e-5, rtol=0)
     import pytest
 
@@ -231,11 +232,11 @@ def test_fused_head_under_fsdp2_gives_the_unsharded_logits_paths_gradients(tmp_p
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     from loss import entropy_from_logits, logprobs_from_logits
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model_dir = build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS)
+    model_dir = build_tiny_model(tmp_path / "m", TASK_WORDS)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -260,11 +261,11 @@ def test_activation_memory_per_token_predicts_a_micro_batch(tmp_path):
     measured directly), to 10%."""
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
-    per_token = policy.activation_gib_per_token(model, CPU, length=64)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS))
+    per_token = memory.activation_gib_per_token(model, CPU, length=64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 20, (20,), generator=g).tolist() for _ in range(4)]
     responses = [torch.randint(3, 20, (30,), generator=g).tolist() for _ in range(4)]

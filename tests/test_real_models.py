@@ -16,8 +16,10 @@ from conftest import gsm8k_flags, metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_prep
+from hf_engine import HFEngine
 from loss import logprobs_from_logits
-from rollout import HFEngine, VLLMEngine, stop_token_ids
+from rollout import stop_token_ids
+from vllm_engine import VLLMEngine
 
 IM_END, ENDOFTEXT = 151645, 151643  # Qwen2.5's end of turn, and its end of text (both EOS in its generation config)
 QWEN_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
@@ -92,7 +94,7 @@ def test_stop_tokens_are_every_eos_of_the_generation_config_and_tokenizer(qwen_m
 
 def test_a_gsm8k_rollout_over_the_step_budget(qwen_vllm, gsm8k_prompts):
     """The issue's crash: 64 GSM8K prompts x 8 samples, about 7,000 prompt tokens against vLLM's
-    4,096 per step, seeded: "CPU Generator does not use offset" before rollout.cpu_scheduling."""
+    4,096 per step, seeded: "CPU Generator does not use offset" before vllm_engine.cpu_scheduling."""
     assert sum(map(len, gsm8k_prompts)) > 4096
     out = qwen_vllm.generate(
         gsm8k_prompts, n=8, temperature=1.0, max_new_tokens=4, seeds=list(range(64)), logprobs=False

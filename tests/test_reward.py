@@ -1,6 +1,6 @@
-"""reward.py: answer extraction as real model outputs write it, dispatch, custom reward files,
-several weighted rewards, --reward-errors, what a reward sees in extra_info, and DAPO's overlong
-penalty. (MATH's scorer has its own file, test_math_score.py.)"""
+"""reward.py: dispatch by data_source, custom reward files, several weighted rewards, --reward-errors,
+what a reward sees in extra_info, and DAPO's overlong penalty. (The tasks' own scorers: test_tasks.py
+and test_math_score.py.)"""
 
 import os
 import textwrap
@@ -11,8 +11,6 @@ from reward import (
     BUILTIN_SOURCES,
     RewardError,
     compute_score,
-    extract_gsm8k_answer,
-    gsm8k_score,
     load_reward_fn,
     load_reward_fns,
     overlong_penalty,
@@ -26,48 +24,7 @@ from reward import (
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "rewards")
 
 # ----------------------------------------------------------------------------------------------
-# GSM8K
-
-
-@pytest.mark.parametrize(
-    "response,truth",
-    [
-        ("She makes 9 * 2 = $18 every day.\n#### 18", "18"),
-        ("#### $18", "18"),
-        ("#### 18.00", "18"),
-        ("So the answer is\n#### 18.", "18"),  # the full stop ends the sentence, not the number
-        ("#### 3,000", "3000"),
-        ("####3000", "3000"),
-        ("#### -5", "-5"),
-        ("#### 0.5", "0.50"),
-        ("#### 1,234,567.5", "1234567.5"),
-    ],
-)
-def test_strict_accepts_the_ways_models_write_numbers(response, truth):
-    assert gsm8k_score(response, truth) == 1.0
-
-
-def test_strict_takes_the_last_marker_and_needs_one():
-    assert extract_gsm8k_answer("#### 5 wait, no: #### 7") == "7"
-    assert gsm8k_score("#### 5 wait, no: #### 7", "7") == 1.0
-    assert gsm8k_score("The answer is 18.", "18") == 0.0  # no "####": no answer in strict mode
-    assert extract_gsm8k_answer("#### eighteen") is None
-
-
-def test_flexible_takes_the_last_number():
-    assert extract_gsm8k_answer("first 12, then 3,000 apples, so $18.", "flexible") == "$18"
-    assert gsm8k_score("first 12, then 3,000 apples, so $18.", "18", method="flexible") == 1.0
-    assert extract_gsm8k_answer("the digits 1,2,3", "flexible") == "3"  # not 123
-    assert gsm8k_score("no numbers here", "18", method="flexible") == 0.0
-
-
-def test_scores_for_right_wrong_and_missing_answers():
-    assert gsm8k_score("#### 17", "18", format_score=0.1) == 0.1  # answered, wrong: the format score
-    assert gsm8k_score("#### 18", "18", format_score=0.1, score=2.0) == 2.0
-    assert gsm8k_score("nothing", "18", format_score=0.1) == 0.0  # no answer at all: 0
-    assert gsm8k_score("#### 180", "18") == 0.0
-    with pytest.raises(ValueError, match="flexible"):
-        gsm8k_score("#### 18", "18", method="loose")
+# dispatch by data_source
 
 
 def test_compute_score_dispatch():
@@ -151,15 +108,6 @@ def test_loading_errors_are_clear(tmp_path):
     path = write(tmp_path, "def score_it(**kw):\n    return 1.0\n")
     with pytest.raises(AttributeError, match="score_it"):  # lists the functions that do exist
         load_reward_fn(path + ":compute_score")
-
-
-def test_digits_score_is_exact():
-    assert compute_score("synthetic/digits", "7", "7") == 1.0
-    assert compute_score("synthetic/digits", " 7 ", "7") == 1.0
-    assert compute_score("synthetic/digits", "7 <pad>", "7") == 0.0  # junk after the answer
-    assert compute_score("synthetic/digits", "7 7 7", "7") == 0.0  # never stopped
-    assert compute_score("synthetic/digits", "3", "7") == 0.0
-    assert compute_score("synthetic/digits", "", "7") == 0.0
 
 
 def test_builtin_sources_are_exactly_what_compute_score_dispatches():

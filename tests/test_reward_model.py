@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-import data_prep
 import reward_model
 from models import build_random_model, build_tiny_model
+from tasks.digits import TASK_WORDS
 
 CPU = torch.device("cpu")
 
@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def rm(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
-    build_tiny_model(root / "tiny", data_prep.TASK_WORDS)
+    build_tiny_model(root / "tiny", TASK_WORDS)
     path = build_random_model(str(root / "rm"), str(root / "tiny"), seed=1, reward_model=True)
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -42,7 +42,7 @@ def test_score_is_the_logit_at_the_end_of_the_rendered_conversation(rm):
 
 
 def test_a_model_with_more_than_one_output_is_refused(tmp_path):
-    tiny = build_tiny_model(str(tmp_path / "tiny"), data_prep.TASK_WORDS)  # a causal LM: transformers gives it 2
+    tiny = build_tiny_model(str(tmp_path / "tiny"), TASK_WORDS)  # a causal LM: transformers gives it 2
     with pytest.raises(SystemExit, match="--reward-model: model path .*missing.*: no such directory"):
         reward_model.load_reward_model(str(tmp_path / "missing"), None, CPU)
     with pytest.raises(SystemExit) as err:
@@ -56,7 +56,7 @@ def test_a_model_with_more_than_one_output_is_refused(tmp_path):
 
 
 def test_a_reward_model_that_needs_its_own_code_is_refused_and_its_code_never_runs(tmp_path, rm_dir):
-    """The reward model's directory gets the policy's checks (rollout.check_model_path); loading it
+    """The reward model's directory gets the policy's checks (models.check_model_path); loading it
     never asks to run its code, so a "y" on the console cannot run it."""
     import shutil
     import subprocess
@@ -92,7 +92,7 @@ RUN = "--rollout hf --max-steps 2 --prompt-batch-size 16 --mini-batch-size 16 --
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm_dir")
-    build_tiny_model(root / "tiny", data_prep.TASK_WORDS)
+    build_tiny_model(root / "tiny", TASK_WORDS)
     return build_random_model(str(root / "rm"), str(root / "tiny"), seed=1, reward_model=True)
 
 

@@ -1,6 +1,6 @@
 """What a --reward-fn function may do to the run: raise, sys.exit, os._exit, hang in Python or in C,
 segfault, return what is not a score. Each is a reward error for that sample, named with the step and
-the sample; nothing ends or hangs the trainer (reward.py's docstring, reward_worker.py).
+the sample; nothing ends or hangs the trainer (reward.load_reward_fns, reward_worker.py).
 
 load_reward_fns runs the functions in a worker process; these tests call it as the trainer does,
 through score_responses / score_rows (errors="raise" for --reward-errors raise, "skip" for skip)."""
@@ -320,7 +320,7 @@ def test_the_worker_costs_little_per_sample(tmp_path):
     # sends them); measured at about 0.1 s on 2 cores, against 0.04 s in this process
     path = tmp_path / "gsm8k_reward.py"
     path.write_text(
-        f"import sys\nsys.path.insert(0, {REPO!r})\nfrom reward import gsm8k_score\n"
+        f"import sys\nsys.path.insert(0, {REPO!r})\nfrom tasks.gsm8k import gsm8k_score\n"
         "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return gsm8k_score(solution_str, ground_truth)\n"
     )
@@ -423,9 +423,10 @@ def test_validate_with_errors_skip_counts_them_and_raise_names_validation(tmp_pa
     from eval import validate
     from models import build_tiny_model
     from rollout import Rollout
+    from tasks.digits import TASK_WORDS, write_digits
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), data_prep.TASK_WORDS))
-    data_prep.write_task(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=3)
     rows, _ = data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer)
     path = tmp_path / "second_fails.py"
     path.write_text(

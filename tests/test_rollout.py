@@ -15,9 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rollout
+from hf_engine import HFEngine, filter_logits
 from loss import logprobs_from_logits
 from models import build_tiny_model
-from rollout import HFEngine, Rollout, VLLMEngine, filter_logits, make_engine
+from rollout import Rollout, make_engine
+from vllm_engine import RELOAD_LOGGER, VLLMEngine, cpu_kv_cache_bytes, kv_bytes_per_token
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]
 EOS = 2  # "<eos>" in models.SPECIAL_TOKENS
@@ -198,7 +200,7 @@ def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_eng
         synced = capfd.readouterr()
         # a real warning, from anywhere in vLLM, and the same reload warning for a layer that has weights
         logging.getLogger("vllm.some.module").warning("a genuine vLLM warning")
-        logging.getLogger(rollout.RELOAD_LOGGER).warning("%s: Failed to load weights", "ParallelLMHead")
+        logging.getLogger(RELOAD_LOGGER).warning("%s: Failed to load weights", "ParallelLMHead")
         warned = capfd.readouterr()
     finally:
         handler.setStream(stream)
@@ -223,21 +225,21 @@ def test_kv_bytes_per_token_of_real_configs():
     smollm2 = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30)
     # a key and a value x 30 layers x 3 KV heads x 64 dims x 4 bytes. At 1 GiB vLLM held 23,296 tokens
     # of the real SmolLM2 (BENCHMARKS.md): 2**30 // 46,080 = 23,301, down to its 128-token blocks
-    assert rollout.kv_bytes_per_token(smollm2, torch.float32) == 46_080
+    assert kv_bytes_per_token(smollm2, torch.float32) == 46_080
     assert 2**30 // 46_080 // 128 * 128 == 23_296
     qwen = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "qwen2.5-0.5b-instruct")
     if os.path.isdir(qwen):  # 24 layers x 2 KV heads x (896 / 14 = 64) dims, bf16
-        assert rollout.kv_bytes_per_token(AutoConfig.from_pretrained(qwen), torch.bfloat16) == 2 * 24 * 2 * 64 * 2
+        assert kv_bytes_per_token(AutoConfig.from_pretrained(qwen), torch.bfloat16) == 2 * 24 * 2 * 64 * 2
 
 
 def test_cpu_kv_cache_holds_the_rollout_within_a_quarter_of_free_memory():
     per_token, max_len = 46_080, 1024
     one = per_token * max_len
-    assert rollout.cpu_kv_cache_bytes(per_token, max_len, 64, memory_gib=20) == 64 * one  # 2.8 GiB < 5 GiB
-    assert rollout.cpu_kv_cache_bytes(per_token, max_len, 1024, memory_gib=20) == 5 * 2**30  # capped
-    assert rollout.cpu_kv_cache_bytes(per_token, max_len, None, memory_gib=4) == 2**30  # no rollout size: the cap
-    assert rollout.cpu_kv_cache_bytes(per_token, max_len, 1, memory_gib=20) == 2 * one  # two sequences at least
-    assert rollout.cpu_kv_cache_bytes(per_token, max_len, 1024, memory_gib=0.01) == 2 * one
+    assert cpu_kv_cache_bytes(per_token, max_len, 64, memory_gib=20) == 64 * one  # 2.8 GiB < 5 GiB
+    assert cpu_kv_cache_bytes(per_token, max_len, 1024, memory_gib=20) == 5 * 2**30  # capped
+    assert cpu_kv_cache_bytes(per_token, max_len, None, memory_gib=4) == 2**30  # no rollout size: the cap
+    assert cpu_kv_cache_bytes(per_token, max_len, 1, memory_gib=20) == 2 * one  # two sequences at least
+    assert cpu_kv_cache_bytes(per_token, max_len, 1024, memory_gib=0.01) == 2 * one
 
 
 def test_make_engine_picks_the_engine(model_path, monkeypatch):

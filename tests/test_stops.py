@@ -124,12 +124,12 @@ def test_a_diverging_run_skips_updates_saves_only_finite_weights_and_stops(tmp_p
     assert last < 8 and [logged[s].get("actor/skipped_updates") for s in range(last - 2, last + 1)] == [1, 1, 1]
     from safetensors.torch import load_file
 
-    import checkpoint
+    import export
 
     saved = sorted(int(p.name.split("_")[-1]) for p in (tmp_path / "run").glob("global_step_*"))
     assert saved == list(range(1, last))  # the step that stopped the run is logged, not saved
     for step in saved:
-        checkpoint.export(str(tmp_path / "run" / f"global_step_{step}"), str(tmp_path / f"exported{step}"))
+        export.export(str(tmp_path / "run" / f"global_step_{step}"), str(tmp_path / f"exported{step}"))
         weights = load_file(tmp_path / f"exported{step}" / "model.safetensors")
         assert all(torch.isfinite(t).all() for t in weights.values()), step
 

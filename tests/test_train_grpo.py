@@ -231,15 +231,15 @@ def test_a_masked_response_counts_for_nothing_in_the_update(tmp_path):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    import data_prep
     import train_grpo
     from config import Args
     from models import build_tiny_model
     from policy import make_batch
+    from tasks.digits import TASK_WORDS
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    path = build_tiny_model(str(tmp_path / "m"), data_prep.TASK_WORDS)
+    path = build_tiny_model(str(tmp_path / "m"), TASK_WORDS)
     args = Args(group_size=2, mini_batch_size=2, micro_batch_size=2, entropy_coef=0.0, grad_clip=1e9)
     prompts, responses = [[3, 4, 5], [3, 6], [7, 8, 9, 4], [5]], [[10, 11], [12, 13, 14, 15], [10], [11, 12, 13]]
 
@@ -247,10 +247,10 @@ def test_a_masked_response_counts_for_nothing_in_the_update(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(path)
         batch = make_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad_id=0)
         batch["response_mask"] = batch["response_mask"] * torch.tensor(keep)[:, None]  # what --mask-truncated does
-        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows][:, None] * batch["response_mask"]
+        batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[rows][:, None] * batch["response_mask"]
+        batch["engine_logp"] = torch.zeros_like(batch["response_mask"])
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        engine_logp = torch.zeros_like(batch["response_mask"])
-        train_grpo.update_policy(1, model, optimizer, batch, adv, None, None, engine_logp, args, 1, torch.device("cpu"))
+        train_grpo.update_policy(model, optimizer, batch, step=1, args=args, world=1, device=torch.device("cpu"))
         return dict(model.named_parameters())
 
     masked, without = update([0, 1, 2, 3], [1, 0, 1, 1]), update([0, 2, 3], [1, 1, 1])
@@ -303,10 +303,11 @@ def test_unreadable_and_empty_data(tmp_path):
 @pytest.mark.slow
 def test_a_data_source_without_a_reward_stops_the_run_at_load(tmp_path):
     # before: the run trained until a step first sampled such a row, then named "sample 240"
-    import data_prep
+    from tasks.common import write_parquet
+    from tasks.digits import digits_rows
 
-    rows = data_prep.task_rows("train", 8, seed=0)
-    data_prep.write_parquet(rows + [dict(rows[0], data_source="my/puzzles")], str(tmp_path / "mine.parquet"))
+    rows = digits_rows("train", 8, seed=0)
+    write_parquet(rows + [dict(rows[0], data_source="my/puzzles")], str(tmp_path / "mine.parquet"))
     proc = run_plain(
         tmp_path, "--train-data", str(tmp_path / "mine.parquet"), "--prompt-batch-size", "8", "--mini-batch-size", "8"
     )
@@ -319,11 +320,12 @@ def test_a_data_source_without_a_reward_stops_the_run_at_load(tmp_path):
 
 @pytest.mark.slow
 def test_prompts_longer_than_the_limit_are_counted_or_fatal(tmp_path):
-    import data_prep
+    from tasks.common import write_parquet
+    from tasks.digits import digits_rows
 
-    rows = data_prep.task_rows("train", 8, seed=0)
+    rows = digits_rows("train", 8, seed=0)
     long_row = dict(rows[0], prompt=[{"role": "user", "content": "list " + "1 " * 40 + "last"}])
-    data_prep.write_parquet(rows + [long_row] * 3, str(tmp_path / "mixed.parquet"))
+    write_parquet(rows + [long_row] * 3, str(tmp_path / "mixed.parquet"))
     flags = [
         "--train-data",
         str(tmp_path / "mixed.parquet"),
@@ -368,7 +370,7 @@ def test_without_engine_logprobs_the_gap_is_not_logged(tmp_path):
 @pytest.mark.slow
 def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     """The demo at 100x its learning rate: the first updates wreck the policy, and both the live
-    warnings and the end-of-run report say so (health.py)."""
+    warnings and the end-of-run report say so (health.py, report.py)."""
     flags = "--lr 0.05 --max-steps 6 --test-freq 3 --val-max-prompts 32 --save-freq -1 --prompt-batch-size 16"
     proc = train(tmp_path, *flags.split(), "--mini-batch-size", "16")
     assert "health: step" in proc.stdout and "actor/entropy fell" in proc.stdout
@@ -412,31 +414,33 @@ def test_a_micro_batch_that_cannot_fit_is_reported_before_the_first_rollout(tmp_
     with a --micro-batch-tokens that fits; nothing when it fits."""
     from transformers import AutoModelForCausalLM
 
-    import data_prep
-    import train_grpo
+    import memory
     from config import parse_args
     from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", data_prep.TASK_WORDS))
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS))
     trained = list(model.parameters())
-    free = train_grpo.free_memory_gib(torch.device("cpu"), 1)
+    free = memory.free_memory_gib(torch.device("cpu"), 1)
     if free is None:
         pytest.skip("no /proc/meminfo: the free memory cannot be read")
     args = parse_args(["--micro-batch-size", "16", "--max-prompt-length", "32", "--max-response-length", "32"])
-    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    memory.check_update_memory(args, model, trained, world=1, ranks_here=1, device=torch.device("cpu"))
     assert capsys.readouterr().out == ""  # 16 x 64 tokens of a tiny model
     # per token about 100 KiB here: a micro-batch of 4M x 64 tokens needs far more than any machine has
     args = parse_args(["--micro-batch-size", "4000000", "--max-prompt-length", "32", "--max-response-length", "32"])
     args.share_prompts = False  # 4M sequences of 64 tokens
-    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    memory.check_update_memory(args, model, trained, world=1, ranks_here=1, device=torch.device("cpu"))
     out = capsys.readouterr().out
     assert out.startswith("memory: the update's largest micro-batch (256000000 tokens)"), out
     fits = int(out.split("--micro-batch-tokens ")[1].rstrip(".\n"))
     # with shared prompts a micro-batch holds a whole group: 8 answers of 1M tokens cannot fit
     args = parse_args(["--max-prompt-length", "32", "--max-response-length", "1000000", "--group-size", "8"])
-    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"))
+    memory.check_update_memory(args, model, trained, world=1, ranks_here=1, device=torch.device("cpu"))
     assert "--grad-checkpointing" in capsys.readouterr().out
-    train_grpo.check_update_memory(args, model, trained, 1, 1, torch.device("cpu"), kv_cache_gib=1.5)
+    memory.check_update_memory(
+        args, model, trained, world=1, ranks_here=1, device=torch.device("cpu"), kv_cache_gib=1.5
+    )
     assert "The rollout engine's KV cache takes 1.5 GiB of this rank's memory" in capsys.readouterr().out
     per_token = float(out.split(" KiB of activations per token")[0].rsplit("(", 1)[1]) / 2**20
     assert 64 <= fits and fits * per_token <= free

@@ -13,9 +13,8 @@ import pytest
 from conftest import REPO
 from test_inputs import with_its_own_code
 
-import data_prep
-from models import build_random_model, build_tiny_model
-from rollout import check_model_path
+from models import build_random_model, build_tiny_model, check_model_path
+from tasks.digits import TASK_WORDS, write_digits
 
 SMALL = (
     "--rollout hf --max-steps 1 --prompt-batch-size 4 --mini-batch-size 4 --group-size 2 "
@@ -27,9 +26,9 @@ SMALL = (
 def inputs(tmp_path_factory):
     """(the tiny model, its task's train and validation data) in a fresh directory."""
     root = tmp_path_factory.mktemp("inputs")
-    data_prep.write_task(str(root / "data"), seed=0, train_size=16, test_size=4)
+    write_digits(str(root / "data"), seed=0, train_size=16, test_size=4)
     data = ["--train-data", str(root / "data" / "train.parquet"), "--val-data", str(root / "data" / "test.parquet")]
-    return build_tiny_model(str(root / "model"), data_prep.TASK_WORDS), data
+    return build_tiny_model(str(root / "model"), TASK_WORDS), data
 
 
 def train(*flags, stdin=""):
@@ -77,7 +76,7 @@ def test_a_checkpoint_passed_as_the_model_says_how_to_export_it_and_that_works(i
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     message = f"--model: {step!r} is a training checkpoint (trainer_state.json, shards/), not a Hugging Face model"
     assert message in proc.stderr
-    command = f"python checkpoint.py export {step} OUT_DIR"
+    command = f"python export.py {step} OUT_DIR"
     assert f"`{command}`" in proc.stderr
     out = str(tmp_path / "exported")  # the advice works: the export is a model the trainer takes
     export = subprocess.run(

@@ -1,5 +1,5 @@
 """A reward that sees more than the text: it reads the response's length in tokens, and whether it
-was cut off, from extra_info (train_grpo.py adds both; see reward.py's docstring).
+was cut off, from extra_info (train_grpo.py adds both; see reward.score_rows).
 
     score = 0                                      if the response was truncated (it never stopped)
             1                                      if it stopped within BUDGET tokens

