@@ -15,6 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
+# Large CPU tensors in 2 MiB huge pages: torch's allocator asks the kernel for them (madvise) when this
+# is set before its first CPU allocation, so at import. Every micro-batch allocates [vocab, hidden]
+# tensors, and in 4 KiB pages each costs a page fault per page (BENCHMARKS.md, Qwen vocabulary).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 
 def full_tensor(x):
     """The whole tensor of an FSDP2-sharded DTensor (a collective: every rank calls it, in the
@@ -29,10 +34,6 @@ def init_distributed(timeout=600.0):
     if "RANK" not in os.environ:  # plain `python train_grpo.py`: a world of one
         port = str(29500 + os.getpid() % 1000)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    # Large CPU tensors in 2 MiB huge pages: torch's allocator asks the kernel for them (madvise) when
-    # this is set before its first large allocation. Every micro-batch allocates [vocab, hidden]
-    # tensors, and in 4 KiB pages each costs a page fault per page (BENCHMARKS.md, Qwen vocabulary).
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")

@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import rollout
 from hf_engine import HFEngine, filter_logits
 from loss import logprobs_from_logits
 from models import build_tiny_model
@@ -246,7 +245,7 @@ def test_make_engine_picks_the_engine(model_path, monkeypatch):
     pytest.importorskip("vllm")
     built = []
     # a stand-in, so that this test does not start a second vLLM engine
-    monkeypatch.setattr(rollout, "VLLMEngine", lambda path, **kw: built.append((path, kw)) or "vllm engine")
+    monkeypatch.setattr("vllm_engine.VLLMEngine", lambda path, **kw: built.append((path, kw)) or "vllm engine")
     assert make_engine("auto", model_path, max_model_len=MAX_LEN) == "vllm engine"
     assert built == [(model_path, {"max_model_len": MAX_LEN, "verbose": False})]
     assert isinstance(make_engine("hf", model_path, max_model_len=MAX_LEN, gpu_memory_utilization=0.3), HFEngine)
