@@ -2,8 +2,8 @@
 
 Each prompt is sampled n times; a sample's advantage is how much better its reward is than its
 siblings'. No value network is needed: the group mean is the baseline.
-compute_advantages also offers two of verl's other outcome-reward estimators: RLOO and
-REINFORCE++ with a group baseline.
+compute_advantages also offers three of verl's other outcome-reward estimators: RLOO,
+REINFORCE++ with a group baseline, and GRPO's pass@k variant (only a group's best sample learns).
 """
 
 import torch
@@ -62,7 +62,7 @@ def zero_std_fraction(scores, group_size):
 # ----------------------------------------------------------------------------------------------
 # Other outcome-reward estimators, as verl defines them (verl/trainer/ppo/core_algos.py)
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
 
 
 def compute_advantages(
@@ -73,11 +73,12 @@ def compute_advantages(
       grpo                          -> [B*n]     grpo_advantages(scores, group_size, norm_by_std, eps)
       rloo                          -> [B*n]     rloo_advantages(scores, group_size)
       reinforce_plus_plus_baseline  -> [B*n, T]  reinforce_pp_baseline_advantages(scores, group_size, response_mask)
+      grpo_passk                    -> [B*n]     grpo_passk_advantages(scores, group_size, norm_by_std, eps)
 
     The [B*n] ones are broadcast over the response tokens by the caller (A[:, None] * response_mask);
     REINFORCE++-baseline already returns per-token advantages [B*n, T], masked, because its whitening
-    is over tokens. As in verl, only grpo reads `norm_by_std` and `eps` (verl's norm_adv_by_std_in_grpo
-    and epsilon); the other two ignore them. `total`: see masked_whiten.
+    is over tokens. As in verl, only grpo and grpo_passk read `norm_by_std` and `eps` (verl's
+    norm_adv_by_std_in_grpo and epsilon); the other two ignore them. `total`: see masked_whiten.
     """
     if estimator == "grpo":
         return grpo_advantages(scores, group_size, norm_by_std=norm_by_std, eps=eps)
@@ -85,6 +86,8 @@ def compute_advantages(
         return rloo_advantages(scores, group_size)
     if estimator == "reinforce_plus_plus_baseline":
         return reinforce_pp_baseline_advantages(scores, group_size, response_mask, total)
+    if estimator == "grpo_passk":
+        return grpo_passk_advantages(scores, group_size, norm_by_std=norm_by_std, eps=eps)
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ADV_ESTIMATORS)}")
 
 
@@ -115,6 +118,32 @@ def rloo_advantages(scores, group_size):
     mean = groups.mean(dim=1, keepdim=True)  # [B, 1]
     adv = groups * n / (n - 1) - mean * n / (n - 1)
     return torch.where(group_deviations(groups) == 0, torch.zeros_like(adv), adv).reshape(-1)
+
+
+def grpo_passk_advantages(scores, group_size, norm_by_std=True, eps=1e-6):
+    """GRPO for pass@k (verl's compute_grpo_passk_outcome_advantage), [B*n] -> [B*n] fp32. Per group of n:
+
+        A_i = (r_max - r_second_max) / (std(r) + eps)   for the group's best sample    norm_by_std=True
+        A_i =  r_max - r_second_max                     for the group's best sample    norm_by_std=False
+        A_i = 0                                         for every other sample
+
+    The objective is the group's best reward, max_i r_i (pass@n for 0/1 rewards; k is the group size,
+    verl has no k of its own): leaving sample i out changes the max only if i is the best, and then by
+    r_max - r_second_max. std is the unbiased (n - 1) estimate, as in GRPO. A tie for the best gives
+    every sample 0 (the gap is 0), so which of the tied samples counts as best does not matter; an
+    all-equal group is exactly 0. With 0/1 rewards only a group with exactly one right answer learns:
+    that answer gets 1 / (std + eps). Like verl, a group of one is an error (no second best).
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"grpo_passk needs at least 2 samples per group (the best and the second best), got {group_size}"
+        )
+    groups = _groups(scores, group_size)  # [B, n]
+    top, best = groups.topk(2, dim=1)  # [B, 2] values and their positions in the group
+    gap = top[:, 0] - top[:, 1]  # [B]; 0 when the best is tied
+    if norm_by_std:
+        gap = gap / (groups.std(dim=1, unbiased=True) + eps)
+    return torch.zeros_like(groups).scatter_(1, best[:, :1], gap[:, None]).reshape(-1)
 
 
 def masked_whiten(values, mask, total=None):

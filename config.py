@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import health
 from advantage import ADV_ESTIMATORS
 from loss import AGG_MODES, KL_KINDS, LOSS_MODES
+from reward import reward_rules
 
 
-def rule(default, must_be, ok):
-    """A field whose values must pass ok(value): otherwise check_args says "--flag must be <must_be>, got <value>"."""
-    return dataclasses.field(default=default, metadata=dict(must_be=must_be, ok=ok))
+def rule(default, must_be, ok, loss_mode=None):
+    """A field whose values must pass ok(value): otherwise check_args says "--flag must be <must_be>, got <value>".
+    With loss_mode, a setting of that --loss-mode only: check_args refuses it changed under another mode."""
+    return dataclasses.field(default=default, metadata=dict(must_be=must_be, ok=ok, loss_mode=loss_mode))
 
 
 def one_of(default, choices):
@@ -152,11 +154,26 @@ class Args:
     """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap), cap >= 1; 0: off."""
     # --- the GRPO family: what verl and TRL users switch between (README: "Recipes")
     adv_estimator: str = one_of("grpo", ADV_ESTIMATORS)
-    """Advantages (verl's algorithm.adv_estimator): grpo, rloo (leave-one-out baseline) or
-    reinforce_plus_plus_baseline (group baseline, whitened over the batch's tokens)."""
+    """Advantages (verl's algorithm.adv_estimator): grpo, rloo (leave-one-out baseline), reinforce_plus_plus_baseline
+    (group baseline, whitened over the batch's tokens) or grpo_passk (pass@k: only a group's unique best learns)."""
     loss_mode: str = one_of("vanilla", LOSS_MODES)
-    """Policy loss: vanilla (PPO's clipped surrogate per token) or gspo (one ratio per sequence; give it its own
-    clip range, e.g. --clip-low 3e-4 --clip-high 4e-4, and it aggregates with seq-mean-token-mean)."""
+    """Policy loss (loss.py states each): vanilla (PPO's clip per token), gspo (one ratio per sequence; e.g. --clip-low
+    3e-4 --clip-high 4e-4), cispo, sapo (--tau-pos/--tau-neg), geo_mean (GMPO; the paper's --clip-low 0.4 --clip-high
+    0.4), clip_cov, kl_cov (--clip-cov-*, --kl-cov-ratio, --ppo-kl-coef). gspo, sapo, geo_mean: seq-mean-token-mean."""
+    tau_pos: float = rule(1.0, "> 0", lambda v: v > 0, loss_mode="sapo")
+    """SAPO's gate temperature for tokens with A > 0: the larger, the faster the update fades as the ratio leaves 1."""
+    tau_neg: float = rule(1.05, "> 0", lambda v: v > 0, loss_mode="sapo")
+    """SAPO's gate temperature for tokens with A <= 0 (verl suggests a little above --tau-pos)."""
+    clip_cov_ratio: float = rule(2e-4, "in (0, 1]", lambda v: 0 < v <= 1, loss_mode="clip_cov")
+    """Clip-Cov: the share of a micro-batch's tokens whose gradient is cut, drawn among those of high covariance."""
+    clip_cov_lb: float = rule(1.0, ">= 0: it cuts tokens of high covariance", lambda v: v >= 0, loss_mode="clip_cov")
+    """Clip-Cov: only tokens whose covariance of advantage and log-prob is above this may be cut."""
+    clip_cov_ub: float = rule(5.0, "> 0", lambda v: v > 0, loss_mode="clip_cov")
+    """Clip-Cov: only tokens whose covariance is below this may be cut (must be > --clip-cov-lb)."""
+    kl_cov_ratio: float = rule(2e-4, "in (0, 1]", lambda v: 0 < v <= 1, loss_mode="kl_cov")
+    """KL-Cov: the share of a micro-batch's tokens, those of largest covariance, that get the KL penalty."""
+    ppo_kl_coef: float = rule(0.1, ">= 0", lambda v: v >= 0, loss_mode="kl_cov")
+    """KL-Cov: the weight of the penalty |logp - old_logp| on those tokens."""
     filter_groups: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the step
     holds --prompt-batch-size informative groups."""
@@ -314,6 +331,18 @@ def check_args(args, world=1, cuda=None):
             )
             for name in ("lora_alpha", "lora_target_modules", "lora_dropout")
         ],
+        *[
+            (
+                a.loss_mode == mode or getattr(a, f.name) == f.default,
+                f"{flag(f.name)} {getattr(a, f.name)} is a {mode} setting and --loss-mode is {a.loss_mode}: add --loss-mode {mode}",
+            )
+            for f in fields
+            if (mode := f.metadata.get("loss_mode"))
+        ],
+        (
+            a.clip_cov_ub > a.clip_cov_lb,
+            f"--clip-cov-ub ({a.clip_cov_ub}) must be > --clip-cov-lb ({a.clip_cov_lb}): no token could be cut",
+        ),
         (
             0 <= a.overlong_buffer_len < a.max_response_length or a.overlong_buffer_len == 0,
             f"--overlong-buffer-len must be in [0, --max-response-length ({a.max_response_length})), got {a.overlong_buffer_len}",
@@ -387,38 +416,6 @@ LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 def loggers(args):
     """--logger console,jsonl -> ["console", "jsonl"]."""
     return [name.strip() for name in args.logger.split(",") if name.strip()]
-
-
-def reward_rules(args):
-    """check_args' rules for --reward-fn and --reward-weights (eval.py takes the same two flags)."""
-    specs, weights = reward_specs(args), reward_weights(args)
-    return [
-        *[
-            (
-                os.path.isfile(spec.partition(":")[0]),
-                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
-            )
-            for spec in specs
-        ],
-        (
-            not args.reward_weights or len(weights or []) == len(specs) > 0,
-            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(specs)} given)",
-        ),
-    ]
-
-
-def reward_specs(args):
-    """--reward-fn a.py:f --reward-fn b.py:g (or a.py:f,b.py:g) -> ["a.py:f", "b.py:g"]."""
-    return [spec.strip() for spec in args.reward_fn.split(",") if spec.strip()]
-
-
-def reward_weights(args):
-    """--reward-weights 1,0.5 -> [1.0, 0.5]; None when not given or not numbers (check_args says so)."""
-    try:
-        weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
-    except ValueError:
-        return None
-    return weights if weights and all(math.isfinite(w) for w in weights) else None
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,248 +1,15 @@
-"""The GRPO objective: per-token log-probs and entropy, KL estimators, loss aggregation and the
-clipped policy-gradient surrogate.
+"""The GRPO objective: KL estimators, loss aggregation, the clipped policy-gradient surrogate and
+its variants (--loss-mode), and a micro-batch's whole loss. The log-probs it takes come from
+logprobs.py.
 
-Shapes: B sequences (prompts x samples), T response tokens, V vocabulary entries. `mask` is 1 on
-response tokens that count and 0 on padding. Log-probabilities are in nats.
+Shapes: B sequences (prompts x samples), T response tokens. `mask` is 1 on response tokens that
+count and 0 on padding. Log-probabilities are in nats.
 
 Each function states its formula; the definitions follow verl's `core_algos.py` so that numbers
 from the two codebases can be compared directly.
 """
 
 import torch
-
-# ----------------------------------------------------------------------------------------------
-# Log-probabilities and entropy from logits
-
-
-class _ChunkedTokenLogProb(torch.autograd.Function):
-    """log softmax(z / temp)[label], computed a chunk of positions at a time.
-
-    The plain `log_softmax(logits.float(), -1).gather(...)` keeps a full fp32 [B, T, V] copy alive
-    for the backward pass: for a 150k vocabulary that is far larger than the model's activations.
-    Here forward keeps only the per-position logsumexp [B, T], and backward recomputes softmax
-    chunk by chunk from the logits tensor the model already holds. We loop over sequences and
-    position chunks rather than flattening, because the trainer passes a non-contiguous slice
-    (the response positions) and flattening it would copy it whole.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk):
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32
-        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T]
-        lse = torch.empty_like(logp)
-        for b, t in _chunks(labels.shape, chunk):
-            z = logits[b, t].to(dtype) / temperature  # [rows, c, V], freed after each chunk
-            lse[b, t] = torch.logsumexp(z, dim=-1)
-            logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return logp
-
-    @staticmethod
-    def backward(ctx, grad_logp):
-        # d logp / d z_j = (1[j == label] - softmax(z / temp)_j) / temp
-        logits, labels, lse = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
-        g_out = grad_logp.to(lse.dtype)
-        for b, t in _chunks(labels.shape, ctx.chunk):
-            probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [rows, c, V]
-            g = probs.mul_(-g_out[b, t, None])
-            g.scatter_add_(-1, labels[b, t, None], g_out[b, t, None])
-            grad[b, t] = g.div_(ctx.temperature)
-        return grad, None, None, None
-
-
-class _HeadLogProbEntropy(torch.autograd.Function):
-    """The chosen tokens' log-probs and the entropies, straight from the final hidden states and
-    the LM head's weight, one block of `rows` tokens x `cols` vocabulary entries at a time: the
-    logits z = h W^T / temp exist for one block at a time, in the forward and again (recomputed) in
-    the backward, never for the whole batch. With a 151,936-row vocabulary the logits of a batch
-    outweigh the model's activations.
-
-        logp = z[label] - logsumexp(z)            H = logsumexp(z) - sum_j p_j z_j,   p = softmax(z)
-        d logp / d z = onehot(label) - p         dH / d z = -p * (log p + H)
-
-    On CPU a block is 1 MiB of fp32 (512 x 512, a core's L2 cache here): it stays in cache between
-    the matmul that writes it and the passes of the softmax that read it. A block of whole rows of a
-    151,936 vocabulary (64 MiB) goes to memory and back for each pass, and each pass then cost
-    about as much as the matmul (BENCHMARKS.md). On GPUs a block is whole rows, few large kernels.
-
-    The forward keeps, per token and vocabulary block b, the block's max m_b and, shifted by it,
-    s_b = sum_j exp(z_j - m_b) and t_b = sum_j exp(z_j - m_b)(z_j - m_b), and combines them with
-    M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
-    logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
-
-    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy),
-    fp32 (the matmuls in the inputs' dtype, the softmax in fp32). The entropy's backward runs only if
-    the loss uses it.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy):
-        ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
-        n, V = labels.shape[0], weight.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
-        z, e = _block_buffers(hidden, rows, cols, V, 2)
-        vocab_blocks = list(_spans(V, cols))
-        for r in _spans(n, rows):
-            m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
-            for b, v in enumerate(vocab_blocks):
-                zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
-                torch.amax(zb, -1, out=m[b])
-                d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
-                p = torch.exp(d, out=zb)  # the logits are not needed again
-                torch.sum(p, -1, out=s[b])
-                if with_entropy:
-                    torch.sum(p.mul_(d), -1, out=t[b])
-            top = m.amax(0)
-            w = torch.exp(m - top)
-            total = (s * w).sum(0)
-            lse[r] = top + total.log()
-            if with_entropy:
-                entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
-        logp = _label_logits(hidden, weight, labels) / temperature - lse
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, g_logp, g_entropy):
-        # d loss / d z = g_logp (onehot - p) - g_entropy p (z - lse + H) = p (a z + c) + g_logp onehot,
-        # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last.
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
-        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
-        n, V = labels.shape[0], weight.shape[0]
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        zero = torch.zeros(n, device=hidden.device)
-        g_logp = zero if g_logp is None else g_logp.float()
-        a = None if g_entropy is None else -g_entropy.float()
-        c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
-        z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2)
-        for r in _spans(n, ctx.rows):
-            for v in _spans(V, ctx.cols):
-                zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
-                g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
-                if a is None:
-                    g.mul_(c[r, None])
-                else:
-                    g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
-                if want_h:
-                    _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
-                if want_w:
-                    _add_product(grad_w[v], g.T, hidden[r])  # [k, r] @ [r, H]
-        if want_h:  # the onehot term, then d z / d h = W / temp
-            grad_h.add_(g_logp[:, None] * weight[labels].float()).div_(ctx.temperature)
-        if want_w:  # the onehot term, then d z / d W = h / temp
-            grad_w.index_add_(0, labels, g_logp[:, None] * hidden.float()).div_(ctx.temperature)
-        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
-
-
-def _spans(n, size):
-    """slice(0, size), slice(size, 2 size), ... covering range(n)."""
-    return (slice(s, min(s + size, n)) for s in range(0, n, size))
-
-
-def _block_buffers(hidden, rows, cols, V, count):
-    """`count` flat fp32 buffers of one [rows, cols] block, reused by every block of the loop. On
-    CPU a fresh tensor above 32 MiB comes from the kernel (glibc mmaps it) and is zeroed page by
-    page each time: with 64 MiB blocks of whole vocabulary rows that was 45% of the fused head's time
-    (BENCHMARKS.md). GPU blocks are that large; the buffers are reused there too."""
-    size = min(rows, hidden.shape[0]) * min(cols, V)
-    return [torch.empty(size, dtype=torch.float32, device=hidden.device) for _ in range(count)]
-
-
-def _block(buffer, shape):
-    """A contiguous [r, k] view of the first r x k entries of a flat buffer."""
-    return buffer[: shape[0] * shape[1]].view(shape)
-
-
-def _logits_block(hidden, weight, buffer, temperature):
-    """hidden [r, H] x weight [k, H] -> the fp32 logits / temperature [r, k], in `buffer`. The
-    matmul runs in the inputs' dtype and the division in fp32, as vLLM's sampler does it: in bf16 the
-    logits are rounded to bf16 once, then scaled (scaling h first would round twice)."""
-    z = _block(buffer, (hidden.shape[0], weight.shape[0]))
-    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-        torch.mm(hidden, weight.T, out=z)
-    else:
-        z.copy_(hidden @ weight.T)
-    return z if temperature == 1.0 else z.div_(temperature)
-
-
-def _label_logits(hidden, weight, labels):
-    """z[label] = h . W[label] for each token, as a batched matmul in the inputs' dtype: rounded as
-    the head's matmul rounds its logits. [N, H], [V, H], [N] -> [N] fp32."""
-    return torch.bmm(hidden[:, None, :], weight[labels][:, :, None]).view(-1).float()
-
-
-def _add_product(out, a, b):
-    """out += a @ b: in place when all three are fp32, else the product in b's dtype."""
-    if out.dtype == a.dtype == b.dtype:
-        out.addmm_(a, b)
-    else:
-        out += (a.to(b.dtype) @ b).float()
-
-
-def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True):
-    """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
-    with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
-    (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
-    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to 512 x 512 on CPU,
-    and on GPUs to whole vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row
-    vocabulary)."""
-    V = weight.shape[0]
-    if hidden.device.type == "cpu":
-        rows, cols = rows or 512, cols or 512
-    else:
-        rows, cols = rows or max(1, 2**24 // V), cols or V
-    B, T = labels.shape
-    logp, ent = _HeadLogProbEntropy.apply(
-        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy
-    )
-    return logp.view(B, T), None if ent is None else ent.view(B, T)
-
-
-def _chunks(shape, chunk):
-    """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
-    rows together when sequences are short, pieces of one row when they are long."""
-    B, T = shape
-    if T <= chunk:
-        step = max(1, chunk // max(T, 1))
-        for b in range(0, B, step):
-            yield slice(b, b + step), slice(None)
-    else:
-        for b in range(B):
-            for s in range(0, T, chunk):
-                yield slice(b, b + 1), slice(s, s + chunk)
-
-
-def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
-    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
-
-    logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
-    -> [B, T] nats, fp32 (fp64 for fp64 logits).
-    Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
-    O(chunk * V), with or without autograd. Pass the sampling temperature so these log-probs
-    match the ones the rollout engine sampled with.
-    """
-    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
-
-
-def entropy_from_logits(logits, chunk=1024, temperature=1.0):
-    """Entropy of the next-token distribution softmax(logits / temperature) at every position, in nats.
-
-    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   z = logits / temperature [B, T, V] -> [B, T] fp32.
-    Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
-    that bounds the extra memory to O(chunk * V).
-    """
-    entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
-    for b, t in _chunks(entropy.shape, chunk):
-        z = logits[b, t].float() / temperature  # [rows, c, V]
-        entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-    return entropy
-
 
 # ----------------------------------------------------------------------------------------------
 # KL estimators
@@ -329,9 +96,17 @@ def agg_denominator(mask, mode):
 
 
 # ----------------------------------------------------------------------------------------------
-# The clipped surrogate
+# The clipped surrogate and its variants
 
-LOSS_MODES = ("vanilla", "gspo")
+LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
+SEQ_MEAN_AGG = "seq-mean-token-mean"
+
+
+def loss_agg_for(mode, agg):
+    """The aggregation --loss-mode `mode` uses: gspo, sapo and geo_mean are means over sequences
+    whatever --loss-agg says (SEQ_MEAN_AGG); the others use `agg`. The trainer weights micro-batches
+    by it (agg_denominator) and aggregates the KL and entropy terms with it too."""
+    return SEQ_MEAN_AGG if mode in ("gspo", "sapo", "geo_mean") else agg
 
 
 def policy_loss(
@@ -346,9 +121,18 @@ def policy_loss(
     rollout_is_weights=None,
     norm_len=None,
     mode="vanilla",
+    tau_pos=1.0,
+    tau_neg=1.05,
+    clip_cov_ratio=2e-4,
+    clip_cov_lb=1.0,
+    clip_cov_ub=5.0,
+    kl_cov_ratio=2e-4,
+    ppo_kl_coef=0.1,
 ):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
-    mode="gspo" computes gspo_policy_loss instead (see there; it ignores clip_c, agg and norm_len).
+    Any other `mode` (LOSS_MODES) computes that variant instead: gspo_policy_loss, cispo_policy_loss,
+    sapo_policy_loss, geo_mean_policy_loss, clip_cov_policy_loss, kl_cov_policy_loss (see each; they
+    take what they use of these arguments, and their own, named and defaulted as in verl).
 
       ratio   = exp(clamp(logp - old_logp, -20, 20))
       l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
@@ -364,8 +148,21 @@ def policy_loss(
       pg_clipfrac_lower  share of tokens with A < 0 where the dual clip bound applied
       ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new))
     """
+    inputs, w = (logp, old_logp, advantages, mask), rollout_is_weights  # each variant's own arguments follow
     if mode == "gspo":
-        return gspo_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, rollout_is_weights)
+        return gspo_policy_loss(*inputs, clip_low, clip_high, w)
+    if mode == "cispo":
+        return cispo_policy_loss(*inputs, clip_low, clip_high, agg, w, norm_len)
+    if mode == "sapo":
+        return sapo_policy_loss(*inputs, tau_pos, tau_neg, w)
+    if mode == "geo_mean":
+        return geo_mean_policy_loss(*inputs, clip_low, clip_high, w)
+    if mode == "clip_cov":
+        return clip_cov_policy_loss(
+            *inputs, clip_low, clip_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, agg, w, norm_len
+        )
+    if mode == "kl_cov":
+        return kl_cov_policy_loss(*inputs, kl_cov_ratio, ppo_kl_coef, agg, w, norm_len)
     if mode != "vanilla":
         raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
     if clip_c <= 1.0:
@@ -392,9 +189,6 @@ def policy_loss(
     return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
 
 
-GSPO_AGG = "seq-mean-token-mean"  # what gspo_policy_loss always aggregates with (weight micro-batches by it)
-
-
 def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, rollout_is_weights=None):
     """GSPO (Zheng et al. 2025): the clipped surrogate on a per-sequence ratio, as verl's
     compute_policy_loss_gspo. All inputs [B, T].
@@ -411,7 +205,7 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
 
     What we matched in verl: no dual clip (clip_c is not used); log s_it is clamped from above only,
     at 10, and logp - old_logp is not clamped at +-20 as in the vanilla loss; the aggregation is
-    always seq-mean-token-mean (GSPO_AGG), whatever the caller's agg; rollout_is_weights multiply the
+    always seq-mean-token-mean (SEQ_MEAN_AGG), whatever the caller's agg; rollout_is_weights multiply the
     per-token loss before aggregation.
 
     Returns (loss, metrics), with verl's definitions (masked token means, detached):
@@ -436,11 +230,224 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
             "pg_clipfrac_lower": torch.zeros((), dtype=mask_f.dtype, device=mask_f.device),
             "ppo_kl": masked_mean(-log_ratio, mask_f),
         }
-    return agg_loss(loss_mat, mask_f, GSPO_AGG), metrics
+    return agg_loss(loss_mat, mask_f, SEQ_MEAN_AGG), metrics
+
+
+def _zero(like):
+    """The 0 verl logs for a metric a variant does not have, on like's device."""
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+def cispo_policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    agg="token-mean",
+    rollout_is_weights=None,
+    norm_len=None,
+):
+    """CISPO (MiniMax-M1, Chen et al. 2025): each token's REINFORCE term, weighted by its importance
+    ratio clipped and detached, as verl's compute_policy_loss_cispo. All inputs [B, T].
+
+      r    = exp(clamp(logp - old_logp, -20, 20))
+      l    = -sg(clamp(r, 1 - clip_low, 1 + clip_high)) * A * logp       sg = stop-gradient (detach)
+      loss = agg_loss(l * w, mask, agg, norm_len)                          w = rollout_is_weights, or 1
+
+    d l / d logp = -clamp(r, ...) * A: a token whose ratio left the range keeps its gradient, with the
+    weight capped, where PPO's clip would give it none. The value is -A logp weighted, not a ratio.
+
+    Returns (loss, metrics): pg_clipfrac (share of tokens with r outside the range),
+    pg_clipfrac_lower (0), ppo_kl (mean of old_logp - logp, clamped as above); masked token means.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_mat = -weight * advantages * logp
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    with torch.no_grad():
+        clipped = (ratio != weight).to(mask_f.dtype)
+        metrics = dict(pg_clipfrac=masked_mean(clipped, mask_f), pg_clipfrac_lower=_zero(mask_f))
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask_f)
+    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+
+
+def sapo_policy_loss(logp, old_logp, advantages, mask, tau_pos=1.0, tau_neg=1.05, rollout_is_weights=None):
+    """SAPO (Gao et al. 2025): a smooth gate on the ratio in place of the clip, as verl's
+    compute_policy_loss_sapo. All inputs [B, T].
+
+      r    = exp(clamp(logp - old_logp, -20, 20))
+      tau  = tau_pos where A > 0, tau_neg where A <= 0
+      f(r) = sigmoid(tau (r - 1)) * 4 / tau
+      l    = -f(r) * A
+      loss = agg_loss(l * w, mask, "seq-mean-token-mean")                  w = rollout_is_weights, or 1
+
+    d l / d logp = -A * 4 s (1 - s) r with s = sigmoid(tau (r - 1)): exactly the policy gradient -A at
+    r = 1; 4 s (1 - s) is a bell of width about 1 / tau around r = 1, so a token far off-policy gets
+    little gradient, fading smoothly (sooner for a larger tau) instead of PPO's hard cut.
+    The aggregation is always seq-mean-token-mean (SEQ_MEAN_AGG), as in verl.
+
+    Returns (loss, metrics): pg_clipfrac and pg_clipfrac_lower (0: nothing is clipped), ppo_kl
+    (mean of old_logp - logp, clamped as above).
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
+    tau = torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)  # [B, T]
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    loss_mat = -gate * advantages
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    with torch.no_grad():
+        metrics = dict(pg_clipfrac=_zero(mask_f), pg_clipfrac_lower=_zero(mask_f))
+        metrics["ppo_kl"] = masked_mean(-log_ratio, mask_f)
+    return agg_loss(loss_mat, mask_f, SEQ_MEAN_AGG), metrics
+
+
+def geo_mean_policy_loss(logp, old_logp, advantages, mask, clip_low=0.4, clip_high=0.4, rollout_is_weights=None):
+    """GMPO (Zhao et al. 2025): the geometric mean of a sequence's token ratios, each clipped in log
+    space, as verl's compute_policy_loss_geo_mean. All inputs [B, T]; n_i = sum_t m_it.
+
+      d_t  = logp_t - old_logp_t                                            (not clamped)
+      e_t  = s_t min(s_t d_t, s_t clamp(d_t, -clip_low, clip_high)),  s_t = sign(A_t)
+      R_i  = exp(sum_t e_t m_t / n_i)              the geometric mean of the clipped token ratios
+      l_i  = -(sum_t A_t m_t / n_i) * R_i * W_i,   W_i = exp(sum_t log(w_t) m_t / n_i), 1 without w
+      loss = mean of l_i over the sequences with n_i > 0
+
+    The clip is one-sided: A > 0 caps d_t at clip_high, A < 0 floors it at -clip_low (no gradient
+    there), A = 0 makes e_t = 0. The paper's range is (e^-0.4, e^0.4): --clip-low 0.4 --clip-high 0.4.
+
+    Where we differ from verl: verl averages l_i over all B sequences, those without tokens too; we
+    average over those with tokens, as agg_loss's seq-mean modes (and verl's) do, so that a sequence
+    masked whole (--mask-truncated) counts for nothing. verl divides by n_i + 1e-8, we by n_i.
+
+    Returns (loss, metrics): pg_clipfrac and pg_clipfrac_lower (shares of tokens with d_t outside
+    [-clip_low, clip_high] and A > 0, resp. A < 0), ppo_kl (mean of -d_t); masked token means.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    sign = torch.sign(advantages)
+    in_range = torch.clamp(log_ratio, -clip_low, clip_high)
+    clipped = sign * torch.minimum(sign * log_ratio, sign * in_range)  # [B, T], e_t
+    n = mask_f.sum(-1)  # [B]
+    ratio = torch.exp((clipped * mask_f).sum(-1) / n.clamp(min=1))  # [B], R_i
+    seq_loss = -(advantages * mask_f).sum(-1) / n.clamp(min=1) * ratio  # [B]
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights.detach().clamp(min=1e-10))
+        seq_loss = seq_loss * torch.exp((log_w * mask_f).sum(-1) / n.clamp(min=1))
+    with torch.no_grad():
+        outside = (log_ratio != in_range).to(mask_f.dtype)
+        metrics = {
+            "pg_clipfrac": masked_mean(outside * (advantages > 0), mask_f),
+            "pg_clipfrac_lower": masked_mean(outside * (advantages < 0), mask_f),
+            "ppo_kl": masked_mean(-log_ratio, mask_f),
+        }
+    return masked_mean(seq_loss, (n > 0).to(mask_f.dtype)), metrics
+
+
+def _covariance(advantages, logp, mask_f):
+    """Each token's (A_t - mean A) (logp_t - mean logp), means over the unmasked tokens. The policy's
+    entropy falls with this covariance (Cui et al. 2025): its largest tokens are those whose update
+    collapses the entropy most, which Clip-Cov and KL-Cov restrain. [B, T], detached."""
+    logp = logp.detach()
+    return (advantages - masked_mean(advantages, mask_f)) * (logp - masked_mean(logp, mask_f))
+
+
+def clip_cov_policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    clip_cov_ratio=2e-4,
+    clip_cov_lb=1.0,
+    clip_cov_ub=5.0,
+    agg="token-mean",
+    rollout_is_weights=None,
+    norm_len=None,
+):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO's clipped
+    surrogate, with the gradient of a few high-covariance tokens cut, as verl's
+    compute_policy_loss_clip_cov. All inputs [B, T]; cov_t as in _covariance.
+
+      r      = exp(logp - old_logp)                                        (not clamped)
+      l_clip = max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high))          (no dual clip)
+      C      = unmasked tokens PPO's clip left alone, with clip_cov_lb < cov_t < clip_cov_ub
+      K      = max(1, floor(clip_cov_ratio * unmasked tokens)) tokens of C drawn at random (all if fewer)
+      l      = 0 on the tokens in K, l_clip elsewhere
+      loss   = agg_loss(l * w, mask, agg, norm_len)                         w = rollout_is_weights, or 1
+
+    As in verl, the draw is torch.randperm on torch's global generator over C in row-major order,
+    and the means and K are over the tokens of the batch given: in the trainer, a micro-batch.
+
+    Returns (loss, metrics): pg_clipfrac (share of tokens in K; PPO's clipped ones do not count),
+    ppo_kl (mean of old_logp - logp); masked token means.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    with torch.no_grad():
+        cov = _covariance(advantages, logp, mask_f)
+        free = (mask > 0) & ~(loss_clipped > loss_unclipped)
+        candidates = torch.nonzero(free & (cov > clip_cov_lb) & (cov < clip_cov_ub))  # [c, 2]
+        count = max(int(clip_cov_ratio * mask_f.sum().item()), 1)
+        if len(candidates) > 0:
+            candidates = candidates[torch.randperm(len(candidates))[:count]]
+        keep = torch.ones_like(mask_f)
+        keep[candidates[:, 0], candidates[:, 1]] = 0.0
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped) * keep
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    metrics = {"pg_clipfrac": masked_mean(1.0 - keep, mask_f), "ppo_kl": masked_mean(-log_ratio.detach(), mask_f)}
+    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+
+
+def kl_cov_policy_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    kl_cov_ratio=2e-4,
+    ppo_kl_coef=0.1,
+    agg="token-mean",
+    rollout_is_weights=None,
+    norm_len=None,
+):
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate, with a KL penalty on the tokens of largest
+    covariance, as verl's compute_policy_loss_kl_cov. All inputs [B, T]; cov_t as in _covariance.
+
+      d    = logp - old_logp                                                (not clamped)
+      K    = the max(1, floor(kl_cov_ratio * unmasked tokens)) unmasked tokens of largest cov_t
+      l    = -A exp(d) + ppo_kl_coef * |d| * [t in K]                       (no clip anywhere)
+      loss = agg_loss(l * w, mask, agg, norm_len)                           w = rollout_is_weights, or 1
+
+    As in verl, the covariance and K are over the tokens of the batch given: in the trainer, a micro-batch.
+
+    Returns (loss, metrics): ppo_kl, which here (as in verl) is the mean of |d|, a masked token mean.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    with torch.no_grad():
+        cov = torch.where(mask > 0, _covariance(advantages, logp, mask_f), -torch.inf).flatten()
+        tokens = int(mask_f.sum().item())
+        top = torch.topk(cov, max(1, int(tokens * kl_cov_ratio))).indices if tokens else cov[:0].long()
+        penalized = torch.zeros_like(cov)
+        penalized[top] = 1.0
+    loss_mat = -advantages * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs() * penalized.view_as(mask_f)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
+    metrics = {"ppo_kl": masked_mean(log_ratio.detach().abs(), mask_f)}
+    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
 
 
 def micro_batch_loss(logp, token_entropy, view, *, agg, args):
-    """The loss of one micro-batch: the clipped surrogate (--loss-mode), + kl_coef x the KL to the
+    """The loss of one micro-batch: the clipped surrogate or its --loss-mode variant, + kl_coef x the KL to the
     reference, - entropy_coef x the entropy, each aggregated by `agg` (train_grpo's --flags in
     `args`). logp and token_entropy [b, r]: the policy's, for the micro-batch's window of the batch
     (`view`: policy.window), which carries the advantages and the old, reference and engine
@@ -465,6 +472,13 @@ def micro_batch_loss(logp, token_entropy, view, *, agg, args):
         rollout_is_weights=is_weights,
         norm_len=norm_len,
         mode=args.loss_mode,
+        tau_pos=args.tau_pos,
+        tau_neg=args.tau_neg,
+        clip_cov_ratio=args.clip_cov_ratio,
+        clip_cov_lb=args.clip_cov_lb,
+        clip_cov_ub=args.clip_cov_ub,
+        kl_cov_ratio=args.kl_cov_ratio,
+        ppo_kl_coef=args.ppo_kl_coef,
     )
     loss, kl_loss = pg_loss, torch.zeros(())
     if view.get("ref_logp") is not None:

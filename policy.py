@@ -15,7 +15,7 @@ import export
 import lora
 import safe_write
 from distributed import full_tensor
-from loss import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
+from logprobs import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
@@ -164,7 +164,7 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
     with entropy=False the entropy is not computed (None), as the old and reference log-probs need.
 
     The head and the log-softmax run together, a block of tokens x vocabulary entries at a time
-    (loss.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
+    (logprobs.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
     pass we have the model call our function in place of its LM head's forward, where FSDP2 has
     gathered the head's weight (with shared prompts, on the second forward, with the hidden states
     the first left). Other heads go through the logits (response_logits). The entropy is that of

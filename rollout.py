@@ -4,7 +4,7 @@ and, with --filter-groups (DAPO's dynamic sampling), keeps generating until enou
 The engines (vllm_engine.py, hf_engine.py) share one interface: generate(prompts, n, ...) -> Rollout
 with each response token's log-prob, update_weights, sleep and wake_up. Log-probs are those of the
 distribution each token was drawn from, log softmax(logits / T)[token] in fp32 nats, what the
-trainer computes (loss.logprobs_from_logits); with top_k / top_p they are over the kept tokens,
+trainer computes (logprobs.logprobs_from_logits); with top_k / top_p they are over the kept tokens,
 renormalised, and greedy (T = 0) reports them at temperature 1.
 
 Seeds: a prompt's seed comes from (run seed, step, its place in the global batch), and its n samples

@@ -36,7 +36,7 @@ import rng
 import run_dir
 import safe_write
 from advantage import compute_advantages
-from config import allowed_changes, loggers, parse_args, reward_specs, reward_weights
+from config import allowed_changes, loggers, parse_args
 from distributed import (
     all_sum,
     all_sum_tensor,
@@ -49,7 +49,7 @@ from distributed import (
     stop_requested,
 )
 from eval import samples_table, validate
-from loss import GSPO_AGG, agg_denominator, micro_batch_loss
+from loss import agg_denominator, loss_agg_for, micro_batch_loss
 from memory import check_update_memory
 from models import check_model_path
 from policy import (
@@ -66,7 +66,7 @@ from policy import (
     update_may_overflow,
     window,
 )
-from reward import compute_score, load_reward_fns
+from reward import compute_score, load_reward_fns, reward_specs, reward_weights
 from rollout import collect_rollout, start_engine, stop_token_ids
 from run_log import RunLog, is_best, sample_records, should_stop, step_metrics, timed
 
@@ -147,7 +147,7 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
     Returns (stats: each micro-batch's loss terms, grad_norm on each mini-batch's last; the
     trainer's log-probs of the sampled tokens [N, R]; how many optimizer steps were skipped)."""
     mask = batch["response_mask"]  # [N, R]
-    agg = GSPO_AGG if args.loss_mode == "gspo" else args.loss_agg  # GSPO's loss is a mean over sequences
+    agg = loss_agg_for(args.loss_mode, args.loss_agg)  # gspo, sapo, geo_mean: a mean over sequences
     mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
     stats, trainer_logp, skipped = [], torch.zeros_like(mask), 0
     policy.train()

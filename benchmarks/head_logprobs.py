@@ -1,5 +1,5 @@
 """The update's vocabulary-sized work on a real vocabulary: log-probs and entropy through the full
-logits (the plain path) against the fused head (loss.head_logprobs_entropy), forward + backward.
+logits (the plain path) against the fused head (logprobs.head_logprobs_entropy), forward + backward.
 
     python benchmarks/head_logprobs.py [--like ../shared/models/qwen2.5-0.5b-instruct] [--repeats 7]
 
@@ -26,7 +26,7 @@ from common import REPO, matmul_rate  # the same measurement as the TRL benchmar
 
 sys.path.insert(0, REPO)
 import policy  # noqa: E402
-from loss import entropy_from_logits, logprobs_from_logits  # noqa: E402
+from logprobs import entropy_from_logits, logprobs_from_logits  # noqa: E402
 from models import build_random_model  # noqa: E402
 
 CPU = torch.device("cpu")

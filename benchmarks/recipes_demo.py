@@ -25,6 +25,12 @@ RECIPES = {
     "rloo": "--adv-estimator rloo".split(),
     "reinforce_pp": "--adv-estimator reinforce_plus_plus_baseline".split(),
     "mask_truncated": ["--mask-truncated"],
+    "cispo": "--loss-mode cispo".split(),
+    "sapo": "--loss-mode sapo".split(),
+    "gmpo": "--loss-mode geo_mean --clip-low 0.4 --clip-high 0.4".split(),
+    "clip_cov": "--loss-mode clip_cov".split(),
+    "kl_cov": "--loss-mode kl_cov".split(),
+    "grpo_passk": "--adv-estimator grpo_passk".split(),
 }
 METRIC = "val-core/synthetic/digits/reward/mean@1"
 

@@ -93,7 +93,7 @@ CHECK_SAVED_MODEL = textwrap.dedent(
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; without it vLLM on CPU reserves most of RAM
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
-    from loss import logprobs_from_logits
+    from logprobs import logprobs_from_logits
     path, questions = sys.argv[1], json.loads(sys.argv[2])
     dtype = json.load(open(os.path.join(path, "config.json"))).get("dtype") or "float32"  # both load it as saved
     tok = AutoTokenizer.from_pretrained(path)

@@ -148,9 +148,56 @@ def test_reinforce_pp_baseline_errors():
 
 
 def test_unknown_estimator_names_the_choices():
-    assert ADV_ESTIMATORS == ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    assert ADV_ESTIMATORS == ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
     with pytest.raises(ValueError, match="rloo"):
         compute_advantages([1.0, 0.0], 2, "gae")
+
+
+def test_grpo_passk_hand_computed():
+    scores = [
+        *[0.0, 1.0, 0.0, 0.0],  # one right answer: it alone learns
+        *[1.0, 0.0, 1.0, 0.0],  # a tie for the best: nothing to learn
+        *[0.5, 0.5, 0.5, 0.5],  # all equal: nothing to learn
+        *[0.2, 3.0, 1.0, 1.0],  # best 3, second best 1 (itself tied): the gap is 2
+    ]
+    # std of one 1 among four 0/1 rewards: mean 1/4, squares 9/16 + 3/16 = 3/4, / 3 = 1/4 -> std 1/2
+    # last group: mean 1.3, squares 1.21 + 2.89 + 0.09 + 0.09 = 4.28, / 3 -> std sqrt(4.28 / 3)
+    adv = compute_advantages(scores, 4, "grpo_passk")  # eps = 1e-6, as verl
+    expected = [0, 1 / (0.5 + 1e-6), 0, 0] + [0] * 8 + [0, 2 / (math.sqrt(4.28 / 3) + 1e-6), 0, 0]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert torch.count_nonzero(adv[4:12]) == 0  # exactly: the gap is 0, whatever the std
+    # Dr. GRPO's norm_by_std=False: the bare gap
+    torch.testing.assert_close(
+        compute_advantages(scores, 4, "grpo_passk", norm_by_std=False),
+        torch.tensor([0, 1.0, 0, 0] + [0] * 8 + [0, 2.0, 0, 0]),
+    )
+
+
+def test_grpo_passk_pairs_and_negative_rewards():
+    # a pair: std = gap / sqrt(2), so with eps 0 the better one gets sqrt(2) whatever the gap and the sign
+    adv = compute_advantages([-1.0, -3.0, 5.0, 7.0], 2, "grpo_passk", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([math.sqrt(2), 0, 0, math.sqrt(2)]))
+
+
+def test_grpo_passk_matches_leave_one_out_of_the_max():
+    """A_i = max(group) - max(group without i): the best's lead over the second best, 0 for the others."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 4, (10 * 5,), generator=g).float()  # small integers: many ties
+    expected = []
+    for i in range(len(scores)):
+        group = scores[i // 5 * 5 : i // 5 * 5 + 5].tolist()
+        others = group[: i % 5] + group[i % 5 + 1 :]
+        expected.append(max(group) - max(others))
+    torch.testing.assert_close(compute_advantages(scores, 5, "grpo_passk", norm_by_std=False), torch.tensor(expected))
+    std = scores.view(10, 5).std(dim=1).repeat_interleave(5)
+    torch.testing.assert_close(compute_advantages(scores, 5, "grpo_passk"), torch.tensor(expected) / (std + 1e-6))
+
+
+def test_grpo_passk_needs_two_samples_per_group():
+    with pytest.raises(ValueError, match="at least 2 samples per group"):  # verl raises too
+        compute_advantages([1.0, 0.0], 1, "grpo_passk")
+    with pytest.raises(ValueError, match="group_size=2"):
+        compute_advantages([1.0, 0.0, 1.0], 2, "grpo_passk")
 
 
 def test_reinforce_pp_whitens_a_share_with_the_whole_batchs_statistics():
@@ -187,7 +234,7 @@ def test_reinforce_pp_whitens_a_share_with_the_whole_batchs_statistics():
 def test_all_equal_groups_get_exactly_zero_whatever_the_value(value, estimator, norm_by_std):
     # float32 rounding makes the mean of eight 6.56s differ from 6.56; divided by std + 1e-6 (std being
     # of the same size) that gave |A| up to 0.3 for a group with nothing to learn
-    scores = [value] * 8 + [0.0, 1.0] * 4  # an all-equal group beside an informative one
+    scores = [value] * 8 + [0.0, 1.0] * 3 + [0.0, 2.0]  # an all-equal group beside an informative one
     mask = torch.ones(16, 5)
     adv = compute_advantages(scores, 8, estimator, norm_by_std, mask)
     assert torch.count_nonzero(adv[:8]) == 0

@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, check_saved_model, metrics
 
 import policy
-from loss import head_logprobs_entropy, logprobs_from_logits
+from logprobs import head_logprobs_entropy, logprobs_from_logits
 
 # 4 short steps, a checkpoint after every step, the reference model on (--kl-coef > 0)
 RUN = "--dtype bf16 --max-steps 4 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --test-freq 2 --val-max-prompts 16 --save-freq 1 --kl-coef 0.01".split()

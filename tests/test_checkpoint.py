@@ -386,3 +386,21 @@ def test_one_writer_per_run_directory_and_no_orphan_after_torchrun_is_killed(tmp
         run_dir.lock_run_dir(str(run)).close()  # and the directory is free again
     finally:
         launcher.kill()
+
+
+@pytest.mark.slow
+def test_new_variants_with_lora_dynamic_sampling_and_two_ranks_resume_exactly(tmp_path):
+    """The newer options together: Clip-Cov (its tokens are drawn from torch's generator) with the
+    pass@k advantage, LoRA, --filter-groups and 2 ranks, two PPO epochs so that the ratio leaves 1
+    and Clip-Cov cuts tokens. Killed in an update and rerun, the run equals the uninterrupted one."""
+    family = (
+        "--loss-mode clip_cov --clip-cov-lb 0 --clip-cov-ub 1 --clip-cov-ratio 0.05 --adv-estimator grpo_passk "
+        "--filter-groups --max-gen-batches 2 --lora-rank 8 --lr 5e-3 --ppo-epochs 2"
+    ).split()
+    train(tmp_path / "whole", *family, ranks=2)
+    train(tmp_path / "killed", *family, ranks=2, crash_at="update:3")
+    train(tmp_path / "killed", *family, ranks=2)
+    assert_same_run(tmp_path / "whole", tmp_path / "killed")
+    rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+    assert any(r.get("actor/pg_clipfrac", 0) > 0 for r in rows)  # Clip-Cov did cut tokens
+    assert any(r.get("critic/advantages/max", 0) > 0 for r in rows)  # and pass@k had a best answer to push

@@ -67,7 +67,7 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     back afterwards."""
     from transformers import AutoModelForCausalLM
 
-    from loss import entropy_from_logits, logprobs_from_logits
+    from logprobs import entropy_from_logits, logprobs_from_logits
     from models import build_tiny_model
     from tasks.digits import TASK_WORDS
 
@@ -232,7 +232,7 @@ def test_fused_head_under_fsdp2_gives_the_unsharded_logits_paths_gradients(tmp_p
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from loss import entropy_from_logits, logprobs_from_logits
+    from logprobs import entropy_from_logits, logprobs_from_logits
     from models import build_tiny_model
     from tasks.digits import TASK_WORDS
 

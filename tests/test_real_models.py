@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_prep
 from hf_engine import HFEngine
-from loss import logprobs_from_logits
+from logprobs import logprobs_from_logits
 from rollout import stop_token_ids
 from vllm_engine import VLLMEngine
 

@@ -1,7 +1,7 @@
 """rollout.py: both engines sample the same way and report the log-probs the trainer computes.
 
 Every check runs on a real tiny model, against a transformers forward pass of the same weights:
-log softmax(logits / temperature) of each sampled token, via `loss.logprobs_from_logits`. One
+log softmax(logits / temperature) of each sampled token, via `logprobs.logprobs_from_logits`. One
 vLLM engine serves the whole module (it takes ~15 s to start); the HF engine is cheap.
 """
 
@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_engine import HFEngine, filter_logits
-from loss import logprobs_from_logits
+from logprobs import logprobs_from_logits
 from models import build_tiny_model
 from rollout import Rollout, make_engine
 from vllm_engine import RELOAD_LOGGER, VLLMEngine, cpu_kv_cache_bytes, kv_bytes_per_token

@@ -1,0 +1,240 @@
+"""Per-token log-probabilities and entropies of the sampled tokens, from the policy's logits or
+straight from its final hidden states and LM head, without ever holding a batch's [B, T, V] logits.
+
+Shapes: B sequences, T response tokens, V vocabulary entries, H hidden size. Log-probabilities and
+entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses (policy.py);
+`logprobs_from_logits` and `entropy_from_logits` serve models whose head does more than a matmul,
+and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
+"""
+
+import torch
+
+
+class _ChunkedTokenLogProb(torch.autograd.Function):
+    """log softmax(z / temp)[label], computed a chunk of positions at a time.
+
+    The plain `log_softmax(logits.float(), -1).gather(...)` keeps a full fp32 [B, T, V] copy alive
+    for the backward pass: for a 150k vocabulary that is far larger than the model's activations.
+    Here forward keeps only the per-position logsumexp [B, T], and backward recomputes softmax
+    chunk by chunk from the logits tensor the model already holds. We loop over sequences and
+    position chunks rather than flattening, because the trainer passes a non-contiguous slice
+    (the response positions) and flattening it would copy it whole.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk):
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32
+        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T]
+        lse = torch.empty_like(logp)
+        for b, t in _chunks(labels.shape, chunk):
+            z = logits[b, t].to(dtype) / temperature  # [rows, c, V], freed after each chunk
+            lse[b, t] = torch.logsumexp(z, dim=-1)
+            logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        # d logp / d z_j = (1[j == label] - softmax(z / temp)_j) / temp
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        g_out = grad_logp.to(lse.dtype)
+        for b, t in _chunks(labels.shape, ctx.chunk):
+            probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [rows, c, V]
+            g = probs.mul_(-g_out[b, t, None])
+            g.scatter_add_(-1, labels[b, t, None], g_out[b, t, None])
+            grad[b, t] = g.div_(ctx.temperature)
+        return grad, None, None, None
+
+
+class _HeadLogProbEntropy(torch.autograd.Function):
+    """The chosen tokens' log-probs and the entropies, straight from the final hidden states and
+    the LM head's weight, one block of `rows` tokens x `cols` vocabulary entries at a time: the
+    logits z = h W^T / temp exist for one block at a time, in the forward and again (recomputed) in
+    the backward, never for the whole batch. With a 151,936-row vocabulary the logits of a batch
+    outweigh the model's activations.
+
+        logp = z[label] - logsumexp(z)            H = logsumexp(z) - sum_j p_j z_j,   p = softmax(z)
+        d logp / d z = onehot(label) - p         dH / d z = -p * (log p + H)
+
+    On CPU a block is 1 MiB of fp32 (512 x 512, a core's L2 cache here): it stays in cache between
+    the matmul that writes it and the passes of the softmax that read it. A block of whole rows of a
+    151,936 vocabulary (64 MiB) goes to memory and back for each pass, and each pass then cost
+    about as much as the matmul (BENCHMARKS.md). On GPUs a block is whole rows, few large kernels.
+
+    The forward keeps, per token and vocabulary block b, the block's max m_b and, shifted by it,
+    s_b = sum_j exp(z_j - m_b) and t_b = sum_j exp(z_j - m_b)(z_j - m_b), and combines them with
+    M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
+    logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
+
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy),
+    fp32 (the matmuls in the inputs' dtype, the softmax in fp32). The entropy's backward runs only if
+    the loss uses it.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy):
+        ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
+        n, V = labels.shape[0], weight.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        z, e = _block_buffers(hidden, rows, cols, V, 2)
+        vocab_blocks = list(_spans(V, cols))
+        for r in _spans(n, rows):
+            m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
+            for b, v in enumerate(vocab_blocks):
+                zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
+                torch.amax(zb, -1, out=m[b])
+                d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
+                p = torch.exp(d, out=zb)  # the logits are not needed again
+                torch.sum(p, -1, out=s[b])
+                if with_entropy:
+                    torch.sum(p.mul_(d), -1, out=t[b])
+            top = m.amax(0)
+            w = torch.exp(m - top)
+            total = (s * w).sum(0)
+            lse[r] = top + total.log()
+            if with_entropy:
+                entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
+        logp = _label_logits(hidden, weight, labels) / temperature - lse
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        # d loss / d z = g_logp (onehot - p) - g_entropy p (z - lse + H) = p (a z + c) + g_logp onehot,
+        # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last.
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
+        n, V = labels.shape[0], weight.shape[0]
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        zero = torch.zeros(n, device=hidden.device)
+        g_logp = zero if g_logp is None else g_logp.float()
+        a = None if g_entropy is None else -g_entropy.float()
+        c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
+        z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2)
+        for r in _spans(n, ctx.rows):
+            for v in _spans(V, ctx.cols):
+                zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
+                g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
+                if a is None:
+                    g.mul_(c[r, None])
+                else:
+                    g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
+                if want_h:
+                    _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
+                if want_w:
+                    _add_product(grad_w[v], g.T, hidden[r])  # [k, r] @ [r, H]
+        if want_h:  # the onehot term, then d z / d h = W / temp
+            grad_h.add_(g_logp[:, None] * weight[labels].float()).div_(ctx.temperature)
+        if want_w:  # the onehot term, then d z / d W = h / temp
+            grad_w.index_add_(0, labels, g_logp[:, None] * hidden.float()).div_(ctx.temperature)
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def _spans(n, size):
+    """slice(0, size), slice(size, 2 size), ... covering range(n)."""
+    return (slice(s, min(s + size, n)) for s in range(0, n, size))
+
+
+def _block_buffers(hidden, rows, cols, V, count):
+    """`count` flat fp32 buffers of one [rows, cols] block, reused by every block of the loop. On
+    CPU a fresh tensor above 32 MiB comes from the kernel (glibc mmaps it) and is zeroed page by
+    page each time: with 64 MiB blocks of whole vocabulary rows that was 45% of the fused head's time
+    (BENCHMARKS.md). GPU blocks are that large; the buffers are reused there too."""
+    size = min(rows, hidden.shape[0]) * min(cols, V)
+    return [torch.empty(size, dtype=torch.float32, device=hidden.device) for _ in range(count)]
+
+
+def _block(buffer, shape):
+    """A contiguous [r, k] view of the first r x k entries of a flat buffer."""
+    return buffer[: shape[0] * shape[1]].view(shape)
+
+
+def _logits_block(hidden, weight, buffer, temperature):
+    """hidden [r, H] x weight [k, H] -> the fp32 logits / temperature [r, k], in `buffer`. The
+    matmul runs in the inputs' dtype and the division in fp32, as vLLM's sampler does it: in bf16 the
+    logits are rounded to bf16 once, then scaled (scaling h first would round twice)."""
+    z = _block(buffer, (hidden.shape[0], weight.shape[0]))
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        torch.mm(hidden, weight.T, out=z)
+    else:
+        z.copy_(hidden @ weight.T)
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _label_logits(hidden, weight, labels):
+    """z[label] = h . W[label] for each token, as a batched matmul in the inputs' dtype: rounded as
+    the head's matmul rounds its logits. [N, H], [V, H], [N] -> [N] fp32."""
+    return torch.bmm(hidden[:, None, :], weight[labels][:, :, None]).view(-1).float()
+
+
+def _add_product(out, a, b):
+    """out += a @ b: in place when all three are fp32, else the product in b's dtype."""
+    if out.dtype == a.dtype == b.dtype:
+        out.addmm_(a, b)
+    else:
+        out += (a.to(b.dtype) @ b).float()
+
+
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True):
+    """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
+    with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
+    (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
+    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to 512 x 512 on CPU,
+    and on GPUs to whole vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row
+    vocabulary)."""
+    V = weight.shape[0]
+    if hidden.device.type == "cpu":
+        rows, cols = rows or 512, cols or 512
+    else:
+        rows, cols = rows or max(1, 2**24 // V), cols or V
+    B, T = labels.shape
+    logp, ent = _HeadLogProbEntropy.apply(
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy
+    )
+    return logp.view(B, T), None if ent is None else ent.view(B, T)
+
+
+def _chunks(shape, chunk):
+    """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
+    rows together when sequences are short, pieces of one row when they are long."""
+    B, T = shape
+    if T <= chunk:
+        step = max(1, chunk // max(T, 1))
+        for b in range(0, B, step):
+            yield slice(b, b + step), slice(None)
+    else:
+        for b in range(B):
+            for s in range(0, T, chunk):
+                yield slice(b, b + 1), slice(s, s + chunk)
+
+
+def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
+    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
+
+    logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
+    -> [B, T] nats, fp32 (fp64 for fp64 logits).
+    Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
+    O(chunk * V), with or without autograd. Pass the sampling temperature so these log-probs
+    match the ones the rollout engine sampled with.
+    """
+    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
+
+
+def entropy_from_logits(logits, chunk=1024, temperature=1.0):
+    """Entropy of the next-token distribution softmax(logits / temperature) at every position, in nats.
+
+    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   z = logits / temperature [B, T, V] -> [B, T] fp32.
+    Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
+    that bounds the extra memory to O(chunk * V).
+    """
+    entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
+    for b, t in _chunks(entropy.shape, chunk):
+        z = logits[b, t].float() / temperature  # [rows, c, V]
+        entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    return entropy
