@@ -1,21 +1,23 @@
-"""The worker process that runs --reward-fn functions, so that nothing a reward function does can end the run.
+"""The worker process that runs --reward-fn (and --tools) functions, so that nothing they do can end the run.
 
 A reward function is the user's code. In the trainer's own process, one that calls sys.exit() would end
 the run with exit code 0 (read as success), one that never returns would hang it, and a crash in C code
 would kill it. So each rank runs them in one long-lived worker process of its own:
 
     this process                                   the worker (python reward_worker.py PARENT_PID)
-    RewardWorker(specs, weights, timeout)   ---->  loads the reward files itself (functions are never pickled)
-    score(samples): the batch, one message  ---->  calls the reward function on each sample in turn
-                                            <----  one reply per sample: (score, extras, None) or (.., problem)
+    Worker(loader, setup, timeout)          ---->  loads the user's files itself (functions are never pickled)
+    call(requests): the batch, one message  ---->  answers each request in turn (RewardWorker: each sample)
+                                            <----  one reply per request: (value, None) or (None, problem)
 
-A sample whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead
-of a score (reward.score_responses decides whether that stops the run); the worker is then replaced and
-takes the rest of the batch. Module-level state of a reward file lives as long as its worker. The worker
+A request whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead
+of a value (reward.score_responses decides whether that stops the run); the worker is then replaced and
+takes the rest of the batch. Module-level state of a user's file lives as long as its worker. The worker
 ends when we close it, when its stdin closes, and, on Linux, when this process dies (kill -9 included).
 """
 
 import atexit
+import functools
+import importlib
 import os
 import pickle
 import select
@@ -25,17 +27,16 @@ import subprocess
 import sys
 import threading
 
-# Loading the reward files may take longer than one call: a file may import torch or sympy.
+# Loading the user's files may take longer than one call: a file may import torch or sympy.
 LOAD_TIMEOUT = 60.0  # seconds, at least
 
 HEADER = struct.Struct("<Q")  # each message on the pipes: its length in bytes, then the pickle
 
+TIMED_OUT = "did not return within"  # how a time-out's problem starts (tools.run_calls tells it apart)
 
-# What a reward returns crosses the pipe as a pickle: a value that cannot be pickled there (a lambda,
-# an instance of a class defined in the reward file) or loaded here is that sample's reward error.
-UNSENDABLE = (
-    "returned a value that cannot be sent back from the reward worker ({}); return numbers, strings, lists or dicts"
-)
+# What a function returns crosses the pipe as a pickle: a value that cannot be pickled there (a lambda,
+# an instance of a class defined in the user's file) or loaded here is that request's error.
+UNSENDABLE = "returned a value that cannot be sent back from the {} ({}); return numbers, strings, lists or dicts"
 
 
 def write_message(fd, data):
@@ -62,12 +63,12 @@ def read_exact(fd, n):
     return b"".join(chunks)
 
 
-def how_it_ended(process):
-    """What a worker that stopped answering did, from its exit status."""
+def how_it_ended(process, what):
+    """What a worker (`what`: "reward worker") that stopped answering did, from its exit status."""
     try:
         returncode = process.wait(timeout=5)
     except subprocess.TimeoutExpired:  # it closed its end of the pipe and went on
-        return "closed the reward worker's pipe"
+        return f"closed the {what}'s pipe"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -77,72 +78,77 @@ def how_it_ended(process):
     return f"ended its worker process with exit code {returncode} (os._exit?)"
 
 
-class RewardWorker:
-    """Reward functions ('path/to/file.py:function' specs, summed with `weights` as reward.load_reward_fns
-    does) run in this process's worker: score() returns one (score, extras, problem) per sample. `name`
-    is how error messages call them. The worker starts here, so a file that cannot be loaded is an error
-    now (RuntimeError), not at the first step."""
+class Worker:
+    """Functions from the user's files, run in this process's worker. There `loader` ("module:function",
+    a function of this repository) is called with `setup`, loads the files, and returns (answer, info):
+    answer(request) -> (value, None) or (None, problem) answers each request, and the first start's
+    `info` comes back to us as self.info (tools.py's: the tools' schemas). call(requests) returns one
+    (value, problem) per request. The worker starts here, so files that cannot be loaded are an error
+    now (RuntimeError, starting with `load_error`), not at the first call. Subclasses name the worker
+    in messages."""
 
-    def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
-        self.specs, self.weights, self.timeout = list(specs), weights, float(timeout)
-        self.__name__ = name
-        self._process, self._pid = None, None
+    what = "worker"  # how messages call the worker process
+    timeout_flag = None  # the flag that sets `timeout`, named in a time-out's problem
+
+    def __init__(self, loader, setup, timeout, load_error):
+        self.loader, self.setup, self.timeout, self.load_error = loader, setup, float(timeout), load_error
+        self.info, self._process, self._pid = None, None, None
         self._lock = threading.Lock()  # one batch at a time: replies come back in order
         self._start()
         atexit.register(self.close)
 
-    def score(self, samples, stop_on_error=False):
-        """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
-        order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
-        stops after the first problem: the list is then shorter than `samples`."""
-        results = []
+    def call(self, requests, stop_on_error=False, timeout=None):
+        """[(value, problem)] for `requests`, in order; each gets `timeout` seconds (default self.timeout).
+        problem is None, or says what went wrong (then value is None). With stop_on_error, stops after the
+        first problem: the list is then shorter than `requests`."""
+        results, timeout = [], self.timeout if timeout is None else float(timeout)
         with self._lock:
             try:
-                while len(results) < len(samples):
+                while len(results) < len(requests):
                     if self._process is None or self._pid != os.getpid() or self._process.poll() is not None:
                         self._start()  # none yet, or we are a forked copy, or the last one was stopped or died idle
                     try:
-                        write_message(self._process.stdin.fileno(), pickle.dumps(samples[len(results) :]))
+                        write_message(self._process.stdin.fileno(), pickle.dumps(requests[len(results) :]))
                     except OSError:  # it died while we wrote: the reply below finds out how
                         pass
-                    self._collect(results, len(samples), stop_on_error)
-                    if stop_on_error and results and results[-1][2] is not None:
+                    self._collect(results, len(requests), stop_on_error, timeout)
+                    if stop_on_error and results and results[-1][1] is not None:
                         break
             finally:  # stopped early, or interrupted: its replies to the rest must not answer the next batch
-                if len(results) < len(samples):
+                if len(results) < len(requests):
                     self._stop()
         return results
 
     @property
     def pid(self):
-        """The worker's process id; None while none runs (a new one starts at the next score())."""
+        """The worker's process id; None while none runs (a new one starts at the next call())."""
         return self._process.pid if self._process is not None else None
 
     def close(self):
         """Stop the worker (registered with atexit)."""
         self._stop()
 
-    def _collect(self, results, total, stop_on_error):
+    def _collect(self, results, total, stop_on_error, timeout):
         """Read replies into `results` until there are `total`, or the worker failed on one (it is then
         stopped), or, with stop_on_error, a reply reports a problem."""
         while len(results) < total:
             try:
-                data = self._reply(self.timeout)
+                data = self._reply(timeout)
             except TimeoutError:
                 self._stop()
-                seconds = f"{self.timeout:g} s (--reward-timeout)"
-                results.append((None, None, f"did not return within {seconds}; its worker process was killed"))
+                flag = f" ({self.timeout_flag})" if self.timeout_flag else ""
+                results.append((None, f"{TIMED_OUT} {timeout:g} s{flag}; its worker process was killed"))
                 return
             except (EOFError, OSError):  # it died
-                results.append((None, None, how_it_ended(self._process)))
+                results.append((None, how_it_ended(self._process, self.what)))
                 self._stop()
                 return
             try:
                 reply = pickle.loads(data)
             except Exception as e:
-                reply = (None, None, UNSENDABLE.format(f"{type(e).__name__}: {e}"))
+                reply = (None, UNSENDABLE.format(self.what, f"{type(e).__name__}: {e}"))
             results.append(reply)
-            if stop_on_error and reply[2] is not None:
+            if stop_on_error and reply[1] is not None:
                 return
 
     def _reply(self, timeout):
@@ -157,7 +163,7 @@ class RewardWorker:
     def _start(self):
         self._stop()
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
-        # its own session: a kill takes down whatever the reward function started too (a code sandbox, say)
+        # its own session: a kill takes down whatever the user's function started too (a code sandbox, say)
         process = subprocess.Popen(
             [sys.executable, script, str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -168,15 +174,16 @@ class RewardWorker:
         self._process, self._pid = process, os.getpid()
         load_timeout = max(self.timeout, LOAD_TIMEOUT)
         try:
-            write_message(process.stdin.fileno(), pickle.dumps((self.specs, self.weights)))
-            status, problem = pickle.loads(self._reply(load_timeout))
+            write_message(process.stdin.fileno(), pickle.dumps((self.loader, self.setup, self.what)))
+            status, said = pickle.loads(self._reply(load_timeout))  # ("ready", info) or ("failed", problem)
         except TimeoutError:
-            status, problem = "failed", f"did not finish loading within {load_timeout:g} s"
+            status, said = "failed", f"did not finish loading within {load_timeout:g} s"
         except (EOFError, OSError):  # it died
-            status, problem = "failed", f"{how_it_ended(process)} while loading; its output is above"
+            status, said = "failed", f"{how_it_ended(process, self.what)} while loading; its output is above"
         if status != "ready":
             self._stop()
-            raise RuntimeError(f"--reward-fn {','.join(self.specs)}: could not load the reward functions: {problem}")
+            raise RuntimeError(f"{self.load_error}: {said}")
+        self.info = said if self.info is None else self.info  # the first start's: a restart may skip work
 
     def _stop(self):
         process, self._process = self._process, None
@@ -190,6 +197,26 @@ class RewardWorker:
         process.wait()
         process.stdin.close()
         process.stdout.close()
+
+
+class RewardWorker(Worker):
+    """Reward functions ('path/to/file.py:function' specs, summed with `weights` as reward.load_reward_fns
+    does) run in this process's worker: score() returns one (score, extras, problem) per sample. `name`
+    is how error messages call them."""
+
+    what, timeout_flag = "reward worker", "--reward-timeout"
+
+    def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
+        self.specs, self.weights, self.__name__ = list(specs), weights, name
+        load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
+        super().__init__("reward_worker:load_rewards", (self.specs, weights), timeout, load_error)
+
+    def score(self, samples, stop_on_error=False):
+        """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
+        order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
+        stops after the first problem: the list is then shorter than `samples`."""
+        results = self.call(samples, stop_on_error)
+        return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,36 +236,53 @@ def die_with_parent(parent_pid):
         os._exit(1)
 
 
-def serve(parent_pid):
-    """The worker's loop. The first message is (specs, weights); then each message is a batch of samples,
-    and each sample gets one reply. Ends when stdin closes."""
-    requests, replies = os.dup(0), os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)  # what a reward function prints goes to stderr, not into our replies
-    die_with_parent(parent_pid)
+def load_rewards(setup):
+    """The reward worker's loader (Worker): the reward function of (specs, weights), and its answer to a
+    sample: ((score, extras), None) or (None, problem), as reward.score_one scores it."""
+    import reward  # here, not at the top: reward imports this module
+
+    return functools.partial(answer_reward, reward.load_reward_fns_in_process(*setup)), None
+
+
+def answer_reward(fn, sample):
     import reward
 
-    specs, weights = pickle.loads(read_message(requests))
+    score, extras, problem = reward.score_one(fn, *sample)
+    return (None, problem) if problem is not None else ((score, extras), None)
+
+
+def serve(parent_pid):
+    """The worker's loop. The first message is (loader, setup, what): loader(setup) returns (answer, info);
+    then each message is a batch of requests, and each request gets one reply, answer(request). Ends when
+    stdin closes."""
+    requests, replies = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)  # what a user's function prints goes to stderr, not into our replies
+    die_with_parent(parent_pid)
+    from reward import describe
+
+    loader, setup, what = pickle.loads(read_message(requests))
+    module, _, function = loader.partition(":")
     try:
-        fn = reward.load_reward_fns_in_process(specs, weights)
+        answer, info = getattr(importlib.import_module(module), function)(setup)
     except BaseException as e:  # a syntax error, a missing function, a sys.exit at import: all reported
-        write_message(replies, pickle.dumps(("failed", reward.describe(e))))
+        write_message(replies, pickle.dumps(("failed", describe(e))))
         return
-    write_message(replies, pickle.dumps(("ready", None)))
+    write_message(replies, pickle.dumps(("ready", info)))
     while True:
         try:
             batch = pickle.loads(read_message(requests))
         except EOFError:
             return
-        for sample in batch:
+        for request in batch:
             try:
-                result = reward.score_one(fn, *sample)
-            except BaseException as e:  # what score_one lets through (KeyboardInterrupt) is this sample's too
-                result = (None, None, reward.describe(e))
+                result = answer(request)
+            except BaseException as e:  # what answer lets through (KeyboardInterrupt) is this request's too
+                result = (None, describe(e))
             try:
                 data = pickle.dumps(result)
             except Exception as e:
-                data = pickle.dumps((None, None, UNSENDABLE.format(f"{type(e).__name__}: {e}")))
+                data = pickle.dumps((None, UNSENDABLE.format(what, f"{type(e).__name__}: {e}")))
             write_message(replies, data)
 
 
