@@ -17,7 +17,7 @@ spec.loader.exec_module(python_exec)
 
 
 def run(code, **limits):
-    """run_python with small limits; a keyword overrides one of them."""
+    """_run_python with small limits; a keyword overrides one of them."""
     limits = {
         "cpu_seconds": 1,
         "wall_seconds": 6,  # well past 1 s of CPU even on a busy 2-core machine
@@ -26,7 +26,7 @@ def run(code, **limits):
         "output_bytes": 1000,
         "uid": python_exec.UNPRIVILEGED_UID if os.geteuid() == 0 else None,
     } | limits
-    return python_exec.run_python(code, **limits)
+    return python_exec._run_python(code, **limits)
 
 
 def test_prints_its_result():
@@ -154,3 +154,6 @@ def test_its_json_schema():
     parameters = schema["function"]["parameters"]
     assert parameters["required"] == ["code"] and parameters["properties"]["code"]["type"] == "string"
     assert "print()" in schema["function"]["description"]
+    import tools  # --tools examples/tools/python_exec.py offers the model this one function, not the helpers
+
+    assert sorted(tools.load_tools(python_exec.__file__)) == ["python"]

@@ -62,7 +62,7 @@ def python(code: str) -> str:
     Returns:
         What the program printed; if it failed, then also the last line of its error or the limit it hit.
     """
-    return run_python(
+    return _run_python(
         code,
         cpu_seconds=CPU_SECONDS,
         wall_seconds=WALL_SECONDS,
@@ -73,7 +73,7 @@ def python(code: str) -> str:
     )
 
 
-def run_python(code, *, cpu_seconds, wall_seconds, memory_bytes, file_bytes, output_bytes, uid=None):
+def _run_python(code, *, cpu_seconds, wall_seconds, memory_bytes, file_bytes, output_bytes, uid=None):
     """`python(code)` with explicit limits (seconds, bytes) and the uid to run as (None: ours)."""
     if len(code.encode()) > MAX_CODE_BYTES or "\0" in code:
         return f"the program must be at most {MAX_CODE_BYTES} bytes long, with no NUL characters"
@@ -94,7 +94,7 @@ def run_python(code, *, cpu_seconds, wall_seconds, memory_bytes, file_bytes, out
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so one killpg ends it and anything it started
         )
-        stdout, stderr, stopped = read_limited(process, output_bytes, deadline=time.monotonic() + wall_seconds)
+        stdout, stderr, stopped = _read_limited(process, output_bytes, deadline=time.monotonic() + wall_seconds)
         # Not reaped yet, the child holds its process-group id: no new group can have taken it.
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -102,10 +102,10 @@ def run_python(code, *, cpu_seconds, wall_seconds, memory_bytes, file_bytes, out
             pass
         returncode = process.wait()
     finally:
-        remove_tree(workdir)
-    if returncode == SETUP_FAILED and last_line(stderr).startswith(SETUP_FAILED_MARK):
-        raise RuntimeError(f"{last_line(stderr)}; as root, UNPRIVILEGED_UID = None runs the code as root")
-    note = explain(returncode, last_line(stderr), stopped, cpu_seconds, wall_seconds, memory_bytes, file_bytes)
+        _remove_tree(workdir)
+    if returncode == SETUP_FAILED and _last_line(stderr).startswith(SETUP_FAILED_MARK):
+        raise RuntimeError(f"{_last_line(stderr)}; as root, UNPRIVILEGED_UID = None runs the code as root")
+    note = _explain(returncode, _last_line(stderr), stopped, cpu_seconds, wall_seconds, memory_bytes, file_bytes)
     if stopped == "output":
         note = f"output truncated after {output_bytes} bytes"
     text = stdout[:output_bytes].decode("utf-8", errors="replace")
@@ -114,7 +114,7 @@ def run_python(code, *, cpu_seconds, wall_seconds, memory_bytes, file_bytes, out
     return text + (note or "")
 
 
-def read_limited(process, output_bytes, deadline):
+def _read_limited(process, output_bytes, deadline):
     """Read the child's stdout and stderr until it has exited and both pipes have closed, more than
     `output_bytes` came in all, or the deadline (time.monotonic()) passed. The child is left unreaped.
     Returns (stdout, stderr, stopped): stopped is "output", "wall" or None."""
@@ -145,7 +145,7 @@ def read_limited(process, output_bytes, deadline):
     return b"".join(chunks[out]), b"".join(chunks[err]), stopped
 
 
-def explain(returncode, error, stopped, cpu_seconds, wall_seconds, memory_bytes, file_bytes):
+def _explain(returncode, error, stopped, cpu_seconds, wall_seconds, memory_bytes, file_bytes):
     """The line the model sees after the output: which limit was hit, or the error's last line (None: success)."""
     if stopped == "wall":
         return f"time limit of {wall_seconds:g} s exceeded (wall clock)"
@@ -163,12 +163,12 @@ def explain(returncode, error, stopped, cpu_seconds, wall_seconds, memory_bytes,
     return error or f"exit status {returncode}"
 
 
-def last_line(data):
+def _last_line(data):
     lines = data.decode("utf-8", errors="replace").strip().splitlines()
     return lines[-1] if lines else ""
 
 
-def remove_tree(path):
+def _remove_tree(path):
     """shutil.rmtree, after making every directory ours to empty: the code may have chmod-ed one to 0."""
     for root, dirs, _ in os.walk(path):
         for name in dirs:
@@ -181,7 +181,7 @@ def remove_tree(path):
 # The child's side: python -I examples/tools/python_exec.py --child CODE CPU MEMORY FILE UID PARENT_PID
 
 
-def child(cpu_seconds, memory_bytes, file_bytes, uid, parent_pid):
+def _child(cpu_seconds, memory_bytes, file_bytes, uid, parent_pid):
     """Put the limits on this process, then refuse forks, programs, sockets and ctypes from here on."""
     import ctypes
     import resource
@@ -226,7 +226,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         code = sys.argv[2]
         try:
-            child(*map(int, sys.argv[3:]))
+            _child(*map(int, sys.argv[3:]))
         except Exception as e:
             print(f"{SETUP_FAILED_MARK} {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(SETUP_FAILED)
