@@ -26,7 +26,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from common import fresh_dir, matmul_params, print_table, run_process, update_mfu  # noqa: E402
-from runners import prompts_for, run_trl  # noqa: E402
+from runners import prompts_for, run_trl, step_records  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -142,23 +142,8 @@ def run_ours(args, model_dir, name, steps, flags=(), out_dir=None):
     log = os.path.join(run_dir, "log.txt")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     lines = [json.loads(x) for x in open(metrics_path)] if os.path.isfile(metrics_path) else []
-    records = [
-        dict(
-            step=m["step"],
-            step_s=m["timing_s/step"],
-            gen_s=m["timing_s/gen"],
-            reward_s=m["timing_s/reward"],
-            logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"],
-            update_s=m["timing_s/update_actor"],
-            sync_s=m["timing_s/update_weights"],
-            gen_tokens=m["response_length/mean"] * P * n,
-            prompt_tokens=m["prompt_length/mean"] * P * n,
-            update_prompt_tokens=m["prompt_length/mean"] * P * (1 if "--no-share-prompts" not in flags else n),
-            rss_gb=m["perf/max_memory_allocated_gb"],
-        )
-        for m in lines
-        if "timing_s/step" in m
-    ]
+    shared = not {"--no-share-prompts", "--grad-checkpointing"} & set(flags)  # train_grpo's own rule
+    records = step_records(lines, P, n, shared)
     print(f"  {name}: {'ok' if ok else 'FAILED: ' + error} ({time.perf_counter() - t:.0f} s)", flush=True)
     if not ok:
         print("    " + "\n    ".join(open(log, errors="replace").read().splitlines()[-8:]), flush=True)

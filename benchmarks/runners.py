@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import REPO, TRAIN_GRPO, fresh_dir, run_process, version
+from common import REPO, TRAIN_GRPO, fresh_dir, read_metrics, run_process, version
 
 WORKER = os.path.join(REPO, "benchmarks", "trl_worker.py")
 REQUIREMENTS = os.path.join(REPO, "benchmarks", "requirements-bench.txt")
@@ -352,27 +352,7 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         raise SystemExit(
             f"our run {name} failed: {error}\n  command: {' '.join(cmd)}\n  log: {os.path.join(run_dir, 'log.txt')}"
         )
-    records = []
-    for line in open(os.path.join(out_dir, "metrics.jsonl")):
-        m = json.loads(line)
-        if "timing_s/step" not in m:
-            continue
-        records.append(
-            dict(
-                step=m["step"],
-                step_s=m["timing_s/step"],
-                gen_s=m["timing_s/gen"],
-                reward_s=m["timing_s/reward"],
-                logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"],
-                update_s=m["timing_s/update_actor"],
-                sync_s=m["timing_s/update_weights"],
-                gen_tokens=m["response_length/mean"] * args.prompts * n,
-                prompt_tokens=m["prompt_length/mean"] * args.prompts * n,
-                # the prompt tokens the update computes: with shared prompts, one prompt per group
-                update_prompt_tokens=m["prompt_length/mean"] * args.prompts * (1 if args.share_prompts else n),
-                rss_gb=m["perf/max_memory_allocated_gb"],
-            )
-        )
+    records = step_records(read_metrics(out_dir), args.prompts, n, args.share_prompts)
     check_same_prompts(
         args, prompts_for(args, train, seed, steps), os.path.join(out_dir, "samples", "train.jsonl"), name
     )
@@ -386,6 +366,29 @@ def run_ours(args, inputs, name, engine, n, length, steps, seed):
         other_load=other_load,
         records=records,
     )
+
+
+def step_records(rows, prompts, n, share_prompts):
+    """train_grpo.py's metrics.jsonl rows -> one record per training step: its phases' seconds, the
+    generated and prompt tokens, the prompt tokens the update computes (with shared prompts, one
+    prompt per group) and the peak memory."""
+    return [
+        dict(
+            step=m["step"],
+            step_s=m["timing_s/step"],
+            gen_s=m["timing_s/gen"],
+            reward_s=m["timing_s/reward"],
+            logprob_s=m["timing_s/old_log_prob"] + m["timing_s/ref"],
+            update_s=m["timing_s/update_actor"],
+            sync_s=m["timing_s/update_weights"],
+            gen_tokens=m["response_length/mean"] * prompts * n,
+            prompt_tokens=m["prompt_length/mean"] * prompts * n,
+            update_prompt_tokens=m["prompt_length/mean"] * prompts * (1 if share_prompts else n),
+            rss_gb=m["perf/max_memory_allocated_gb"],
+        )
+        for m in rows
+        if "timing_s/step" in m
+    ]
 
 
 def run_trl(args, inputs, name, engine, n, length, steps, seed, passes=1, must_work=True):
