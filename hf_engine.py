@@ -50,8 +50,10 @@ class HFEngine:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
         self.model = self.model.to(self.device).eval()
+        self.model_path = str(model_path)
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
         self.eos_ids = stop_token_ids(model_path)  # as vLLM: any EOS of the generation config or the tokenizer
+        self.tokenizer = None  # loaded when a stop string is first asked for
         self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0  # any id works: padding is masked out
         self.rng = torch.Generator().manual_seed(seed)  # draws prompt seeds when the caller gives none
         # name -> tensor in the model; a tied lm_head.weight is the same tensor as the embedding
@@ -59,34 +61,54 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True
+        self,
+        prompts,
+        *,
+        n,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_new_tokens,
+        seeds=None,
+        logprobs=True,
+        stop_token_ids=(),
+        stop=(),
     ) -> Rollout:
         """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy. logprobs=False
-        leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU."""
+        leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU.
+        max_new_tokens: one for all prompts, or a list with one per prompt. A response also ends at any
+        of stop_token_ids (kept, like an EOS) and at the token that completes one of the strings `stop`
+        in its text (kept whole, as vLLM keeps it)."""
         if seeds is None:
             seeds = torch.randint(0, 2**31, (len(prompts),), generator=self.rng).tolist()
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         rows = [list(p) for p in prompts for _ in range(n)]  # [B*n] prompts, prompt-major
         row_seeds = sample_seeds(seeds, len(prompts), n)  # [B*n]
-        rollout, chunk = Rollout(), self.max_batch_size
+        row_budgets = [b for b in budgets for _ in range(n)]
+        rollout, chunk, stops = Rollout(), self.max_batch_size, (set(self.eos_ids) | set(stop_token_ids), list(stop))
         for s in range(0, len(rows), chunk):  # chunks bound the KV cache's memory
+            part = slice(s, s + chunk)
             self._generate_batch(
-                rollout, rows[s : s + chunk], row_seeds[s : s + chunk], temperature, top_k, top_p, max_new_tokens
+                rollout, rows[part], row_seeds[part], (temperature, top_k, top_p), row_budgets[part], stops
             )
         if not logprobs:
             rollout.logprobs = []  # computed anyway: sampling needs them, and they cost nothing more here
         return rollout
 
-    def _generate_batch(self, rollout, prompts, seeds, temperature, top_k, top_p, max_new_tokens):
-        """Sample one response per row of `prompts` and append them to `rollout`."""
+    def _generate_batch(self, rollout, prompts, seeds, sampling, max_new_tokens, stops):
+        """Sample one response per row of `prompts` and append them to `rollout`. sampling: (temperature,
+        top_k, top_p); max_new_tokens: one per row; stops: (stop token ids, stop strings)."""
         from transformers import DynamicCache
 
+        (temperature, top_k, top_p), (stop_ids, stop_strings) = sampling, stops
         B, T0, dev = len(prompts), max(len(p) for p in prompts), self.device
         if T0 >= self.max_model_len:
             raise ValueError(
                 f"a prompt of {T0} tokens leaves no room to generate in max_model_len={self.max_model_len}"
             )
         # each row stops at max_new_tokens or at max_model_len, whichever comes first (as in vLLM)
-        budget = torch.tensor([min(max_new_tokens, self.max_model_len - len(p)) for p in prompts], device=dev)  # [B]
+        budget = [min(m, self.max_model_len - len(p)) for m, p in zip(max_new_tokens, prompts)]
+        budget = torch.tensor(budget, device=dev)  # [B]
         # left-pad so that every row's next token is at the last position
         input_ids = torch.full((B, T0), self.pad_id, dtype=torch.long, device=dev)  # [B, T0]
         mask = torch.zeros((B, T0), dtype=torch.long, device=dev)  # [B, T0], 1 on real tokens
@@ -98,7 +120,8 @@ class HFEngine:
         uniforms = torch.stack(
             [torch.rand(int(budget.max()), generator=torch.Generator().manual_seed(s)) for s in seeds]
         ).to(dev)
-        eos = torch.tensor(self.eos_ids, device=dev)
+        eos = torch.tensor(sorted(stop_ids), device=dev)
+        ends, generated = [None] * B, [[] for _ in range(B)]  # where a stop string ended each row; tokens
         cache = DynamicCache(config=self.model.config)
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         tokens, logps = [], []  # per step, [B] each
@@ -124,7 +147,12 @@ class HFEngine:
                 tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # [B]
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-            done |= torch.isin(tok, eos) | (step + 1 >= budget)
+            at_eos = torch.isin(tok, eos)
+            if stop_strings:  # the rows whose text now holds a stop string (even on their last token)
+                for g, t in zip(generated, tok.tolist()):
+                    g.append(t)
+                done |= self._stopped(generated, done | at_eos, ends, stop_strings)
+            done |= at_eos | (step + 1 >= budget)
             if done.all():
                 break
             input_ids = tok[:, None]  # [B, 1]; finished rows keep going, their tokens are cut below
@@ -132,11 +160,31 @@ class HFEngine:
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
         for i in range(B):
-            ids = tokens[i][: int(budget[i])]
-            ends = [t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids]  # just past each EOS
-            rollout.response_ids.append(ids[: ends[0]] if ends else ids)  # the first EOS is kept
+            ids = tokens[i][: int(budget[i]) if ends[i] is None else ends[i]]
+            stopped = [t + 1 for t, tok in enumerate(ids) if tok in stop_ids]  # just past each EOS
+            stopped = stopped[:1] or ([len(ids)] if ends[i] is not None else [])
+            rollout.response_ids.append(ids[: stopped[0]] if stopped else ids)  # the first EOS is kept
             rollout.logprobs.append(logps[i][: len(rollout.response_ids[-1])])
-            rollout.truncated.append(not ends)
+            rollout.truncated.append(not stopped)
+
+    def _stopped(self, generated, done, ends, stop_strings):
+        """[B] bools: the rows not done whose last token completed a stop string in their text (vLLM's
+        rule); records in `ends` the length each such row ends at."""
+        hit = torch.zeros_like(done)
+        longest = max(map(len, stop_strings))
+        for i in (~done).nonzero().flatten().tolist():
+            last = generated[i][-(longest + 1) :]  # a token is at least one character
+            text, before = self.decode(last), self.decode(last[:-1])
+            if any(s in text and s not in before for s in stop_strings):
+                hit[i], ends[i] = True, len(generated[i])
+        return hit
+
+    def decode(self, ids):
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @torch.no_grad()
     def update_weights(self, named_tensors):

@@ -165,12 +165,27 @@ class VLLMEngine:
         self.kv_cache_gib = None if self.on_cuda else (cache.kv_cache_memory_bytes or 0) / 2**30 or None
 
     def generate(
-        self, prompts, *, n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens, seeds=None, logprobs=True
+        self,
+        prompts,
+        *,
+        n,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_new_tokens,
+        seeds=None,
+        logprobs=True,
+        stop_token_ids=(),
+        stop=(),
     ) -> Rollout:
         """Sample n responses to each prompt (lists of token ids). temperature 0 is greedy. logprobs=False
-        leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU."""
+        leaves `Rollout.logprobs` empty; vLLM then skips work worth about 20% of generation on CPU.
+        max_new_tokens: one for all prompts, or a list with one per prompt. A response also ends at any
+        of stop_token_ids (kept, like an EOS) and at the token that completes one of the strings `stop`
+        in its text (kept whole: vLLM cuts only the text, which we do not use)."""
         from vllm import SamplingParams
 
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         # vLLM refuses n > 1 when greedy; the n greedy samples are all the same, so we make one and copy it
         n_engine = 1 if temperature == 0 else n
         # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
@@ -181,12 +196,14 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                max_tokens=max_new_tokens,
-                logprobs=0 if logprobs else None,
+                max_tokens=budget,
+                logprobs=0 if logprobs else None,  # 0: the sampled token's
                 seed=s,
-                detokenize=False,
-            )  # 0: the sampled token's
-            for s in request_seeds
+                stop_token_ids=list(stop_token_ids),
+                stop=list(stop),
+                detokenize=bool(stop),  # stop strings are looked for in the text
+            )
+            for s, budget in zip(request_seeds, budgets)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         rollout = Rollout()

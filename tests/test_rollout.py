@@ -260,3 +260,31 @@ def test_make_engine_errors(tmp_path):
     for kind in ("vllm", "hf"):
         with pytest.raises(FileNotFoundError, match="no_such_model"):
             make_engine(kind, missing, max_model_len=MAX_LEN)
+
+
+def test_stop_tokens_stop_strings_and_per_prompt_budgets_end_the_same_samples_early(engine, model_path):
+    """With a stop token, a stop string over two tokens and one budget per prompt, each response is
+    the free-running one (same seed) cut just after the first of them; only the budget truncates."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    n, seeds, budgets = 6, [3, 4, 5], [5, 9, 14]
+    free = engine.generate(PROMPTS, n=n, temperature=1.0, max_new_tokens=14, seeds=seeds)
+    stop_id, stop = tok.convert_tokens_to_ids("7"), ["4 5", "6 6", "3 3"]
+    has_stop = lambda ids: any(s in tok.decode(ids) for s in stop)  # noqa: E731
+    out = engine.generate(
+        PROMPTS, n=n, temperature=1.0, max_new_tokens=budgets, seeds=seeds, stop_token_ids=[stop_id], stop=stop
+    )
+    expected, truncated = [], []
+    for k, ids in enumerate(free.response_ids):
+        budget = budgets[k // n]
+        for j in range(len(ids)):
+            if ids[j] in (EOS, stop_id) or has_stop(ids[: j + 1]) or j + 1 == budget:
+                break
+        expected.append(ids[: j + 1])
+        ended = ids[j] in (EOS, stop_id) or has_stop(ids[: j + 1])
+        truncated.append(not ended)
+    assert out.response_ids == expected and out.truncated == truncated
+    assert out.logprobs == [lp[: len(ids)] for lp, ids in zip(free.logprobs, expected)]
+    cut_by = [ids[-1] == stop_id for ids in expected], [has_stop(ids) for ids in expected]
+    assert any(cut_by[0]) and any(cut_by[1]) and any(truncated)  # every kind of ending occurs
