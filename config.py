@@ -65,6 +65,15 @@ class Args:
     reward_model_only: bool = False
     """The reward is this weight x the reward model's score alone; the rule reward is still logged
     (reward_extra/rule/mean) and still scores validation."""
+    # --- multi-turn rollouts with tools (multi_turn.py)
+    tools: str = ""
+    """Tools (TRL's: typed functions with docstrings) the model may call: file.py or file.py:fn1,fn2; empty: single-turn."""
+    max_turns: int = rule(5, ">= 1", lambda v: v >= 1)
+    """With --tools: the model's turns per sample, all inside --max-response-length (verl's max_assistant_turns)."""
+    tool_timeout: float = rule(10.0, "> 0 seconds", lambda v: v > 0)
+    """With --tools: seconds one call may run before it is stopped; the model reads an error instead."""
+    max_tool_response_length: int = rule(256, ">= 1", lambda v: v >= 1)
+    """With --tools: characters of a tool's result the model reads; the rest is cut, with a note (verl's name)."""
     seed: int = rule(0, "in [0, 2**32) (numpy's seed range)", lambda v: 0 <= v < 2**32)
     """Seed for data order, sampling and the tiny model."""
     # --- schedule
@@ -293,14 +302,10 @@ def check_args(args, world=1, cuda=None):
     """Every flag's allowed values and the constraints between flags, checked before anything loads.
     Returns the problems, one line each naming the flag and what it accepts; [] when all is well.
     `world` is the number of ranks; `cuda` whether there is a GPU (default: torch's answer)."""
-    fields = dataclasses.fields(Args)
-    not_finite = [
-        f"{flag(f.name)} must be a finite number, got {getattr(args, f.name)}"
-        for f in fields
-        if f.type is float and not math.isfinite(getattr(args, f.name))
-    ]
+    fields, a = dataclasses.fields(Args), args  # a: short, so that each rule below fits on one line
+    not_finite = [f for f in fields if f.type is float and not math.isfinite(getattr(a, f.name))]
     if not_finite:  # these alone: nan would also fail every comparison below
-        return not_finite
+        return [f"{flag(f.name)} must be a finite number, got {getattr(a, f.name)}" for f in not_finite]
     if cuda is None:
         import torch
 
@@ -310,7 +315,6 @@ def check_args(args, world=1, cuda=None):
         for f in fields
         if "ok" in f.metadata and not f.metadata["ok"](getattr(args, f.name))
     ]
-    a = args  # short, so that each rule below fits on one line
     rules = [  # (what must hold, what to say when it does not)
         # ---- model and data: files we can look for now rather than after the model loads
         (a.model != "", "--model must be a Hugging Face model id or directory, or tiny"),
@@ -320,6 +324,8 @@ def check_args(args, world=1, cuda=None):
         *reward_rules(a),
         (not a.reward_model or os.path.isdir(a.reward_model), f"--reward-model {a.reward_model}: no such directory"),
         (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
+        (not a.tools or os.path.isfile(a.tools.partition(":")[0]), f"--tools {a.tools}: no such file"),
+        *[(a.tools or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --tools") for n in TOOL_SETTINGS],
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
@@ -411,6 +417,7 @@ def flag(name):
 
 
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+TOOL_SETTINGS = ("max_turns", "tool_timeout", "max_tool_response_length")
 
 
 def loggers(args):

@@ -1,18 +1,18 @@
 """Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
-(one file, or a directory of shards). Each task's data writer and scorer live together in tasks/.
+(one file, or a directory of shards). Each task's data writer and scorer live in tasks/.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (tasks/math.py)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
+    python data_prep.py multiply --digits 3x2 --shots 2 --out data/products   # 347 * 58, for the calculator
 
 One row per problem, in the columns verl's own data scripts write (so their files work here too):
-
     data_source   str    which reward scores this row, e.g. "openai/gsm8k"
     prompt        list   chat messages, [{"role": "user", "content": ...}]
     ability       str    e.g. "math"
     reward_model  dict   {"style": "rule", "ground_truth": ...}
-    extra_info    dict   anything else ({"split", "index", "answer", "question"} for GSM8K)
+    extra_info    dict   anything else ({"split", "index", "answer", "question"} for GSM8K; tools_kwargs)
 """
 
 import argparse
@@ -26,7 +26,7 @@ from tasks.common import write_parquet
 from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
 from tasks.math import MATH_SOURCE, MATH_SOURCES, math_inputs, math_rows
-from tasks.multiply import write_multiply
+from tasks.multiply import write_multiply, write_products
 
 # ----------------------------------------------------------------------------------------------
 # The loader: every row is checked before training starts, not when a bad one is first sampled
@@ -148,15 +148,21 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
     return good
 
 
-def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None):
+def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None):
     """load_dataset, then each row's prompt rendered with the tokenizer's chat template (and the
-    generation prompt) into row["prompt_ids"]. Rows whose prompt is longer than max_prompt_length
-    tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
+    generation prompt; with `schemas`, the tools: tools.render_prompt) into row["prompt_ids"]. Rows
+    whose prompt is longer than max_prompt_length tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
     so is a tokenizer without a chat template (checked before the data is read). Prompts with
     words the tokenizer does not know (its unk token) are counted and reported, not dropped."""
     check_chat_template(tokenizer)
     rows = load_dataset(path, known_sources=known_sources)
     for row in rows:
+        if schemas:  # the tools' schemas without the arguments the row passes itself (verl's tools_kwargs)
+            import tools
+
+            row_schemas = tools.row_schemas(schemas, (row.get("extra_info") or {}).get("tools_kwargs"))
+            row["prompt_ids"] = tools.render_prompt(tokenizer, row["prompt"], row_schemas)
+            continue
         row["prompt_ids"] = tokenizer.apply_chat_template(
             row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
@@ -240,7 +246,7 @@ def demo_inputs(args, rank):
     dist.barrier()
 
 
-def load_data(args, tokenizer):
+def load_data(args, tokenizer, schemas=None):
     """The training and validation rows of verl's schema with their prompt token ids (row["prompt_ids"]);
     prompts longer than --max-prompt-length are dropped and counted."""
     from distributed import print0
@@ -250,7 +256,7 @@ def load_data(args, tokenizer):
     out = []
     for path, name in ((args.train_data, "train data"), (args.val_data, "validation data")):
         try:
-            rows, dropped = load_prompts(path, tokenizer, known, args.max_prompt_length)
+            rows, dropped = load_prompts(path, tokenizer, known, args.max_prompt_length, schemas)
         except DataError as e:  # names the file, row and field: the message is the error
             raise SystemExit(str(e)) from None
         if dropped:
@@ -301,6 +307,23 @@ def main(argv=None):
     m.add_argument("--low", type=int, default=2, help="smallest factor")
     m.add_argument("--high", type=int, default=12, help="largest factor")
     m.add_argument("--test-pairs", type=int, default=25, help="factor pairs held out (in both orders) as the test set")
+    m.add_argument(
+        "--digits",
+        choices=["3x2"],
+        help="3x2: a 3-digit times a 2-digit number (What is 347 * 58?), for the calculator tool; takes "
+        "--train-size, --test-size, --instruction and --shots instead of --low, --high and --test-pairs",
+    )
+    m.add_argument("--train-size", type=int, default=4000, help="--digits 3x2: training pairs")
+    m.add_argument("--test-size", type=int, default=200, help="--digits 3x2: held-out pairs, none of them in training")
+    m.add_argument(
+        "--instruction", default="", help='--digits 3x2: text after each question, e.g. "Use the calculator."'
+    )
+    m.add_argument(
+        "--shots",
+        type=int,
+        default=0,
+        help="--digits 3x2: worked examples of a calculator call before each question (0-3)",
+    )
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -318,7 +341,9 @@ def main(argv=None):
             write_parquet(math_rows(src, split, args.data_source), os.path.join(args.out, f"{split}.parquet"))
     if args.task == "digits":
         write_digits(args.out, args.seed, args.train_size, args.test_size)
-    if args.task == "multiply":
+    if args.task == "multiply" and args.digits == "3x2":
+        write_products(args.out, args.seed, args.train_size, args.test_size, args.instruction, args.shots)
+    elif args.task == "multiply":
         write_multiply(args.out, args.seed, args.low, args.high, args.test_pairs)
 
 

@@ -134,6 +134,7 @@ def validate(
     keep=20,
     errors="raise",
     where="validation",
+    tools=None,
 ):
     """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
     `engine`, score them, and compute verl's validation metrics over every rank's samples.
@@ -142,37 +143,75 @@ def validate(
     whole list (rollout.sampling_seeds), so 1 and 2 ranks draw the same samples. Returns (metrics,
     the first `keep` of this rank's samples as {prompt, response, ground_truth, score}).
     errors and where go to reward.score_rows (--reward-errors; "validation at step 2" for its messages);
-    with errors="skip", val-aux/reward/errors counts the samples of all ranks that scored 0 for a reward error."""
+    with errors="skip", val-aux/reward/errors counts the samples of all ranks that scored 0 for a reward error.
+    With `tools` (multi_turn.ToolSetup) the samples are multi-turn conversations, and val-aux/num_turns/*
+    and val-aux/tool/* describe them."""
     from distributed import all_gather
-    from reward import response_text, score_rows
-    from rollout import VALIDATION_STEP, sampling_seeds
+    from multi_turn import turn_counts, turn_metrics
+    from reward import score_rows
+    from rollout import VALIDATION_STEP, generate, response_texts, sampling_seeds
     from run_log import sample_records
 
     per_rank = math.ceil(len(rows) / world)
     first = rank * per_rank
     mine = rows[first : first + per_rank]
-    out = engine.generate(
-        [r["prompt_ids"] for r in mine],
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        seeds=sampling_seeds(seed, VALIDATION_STEP, first, len(mine)),
-        logprobs=False,
-    )
+    seeds = sampling_seeds(seed, VALIDATION_STEP, first, len(mine))
+    kw = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds, logprobs=False)
+    out = generate(engine, mine, tools, **kw)
     samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
-    texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-    scores, extras = score_rows(reward_fn, samples, texts, first=first * n, errors=errors, where=where)
+    texts = response_texts(out, tokenizer, eos_ids)
+    conversations = [t.conversation for t in out.turns] if tools else None
+    scores, extras = score_rows(
+        reward_fn, samples, texts, first=first * n, errors=errors, where=where, conversations=conversations
+    )
     # every rank gets every score (they are small), so every rank computes the same metrics
     local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
-    local["errors"] = sum(extras.get("reward_error", []))
+    local.update(errors=sum(extras.get("reward_error", [])), turns=turn_counts(out.turns))
     parts = all_gather(local) if world > 1 else [local]
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
     sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
     metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
     if errors == "skip":
         metrics["val-aux/reward/errors"] = sum(p["errors"] for p in parts)
+    if tools:
+        metrics.update({f"val-aux/{k}": v for k, v in turn_metrics(sum((p["turns"] for p in parts), [])).items()})
+        texts = [t.shown() for t in out.turns]  # the tables show the whole conversation
     return metrics, sample_records(tokenizer, samples[:keep], texts, scores)
+
+
+# The trainer's validation, every --test-freq steps
+
+
+def run_validation(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, log, tools):
+    """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
+    engine.wake_up()
+    kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
+    kw.update(errors=args.reward_errors, where=f"validation at step {step}", tools=tools)
+    metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
+    engine.sleep()
+    log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
+    if step == 0:  # once, so the console shows what the prompts and responses look like
+        log.write(f"validation samples, step 0:\n{samples_table(samples[:5])}")
+    return metrics
+
+
+def keep_best(history, args, policy, tokenizer, rank):
+    """With --early-stop-metric: check the metric exists; save the policy whenever it is the best so far."""
+    import torch
+
+    from policy import save_hf
+    from run_log import is_best
+
+    if not args.early_stop_metric:
+        return
+    if args.early_stop_metric not in history[-1]:
+        names = sorted(k for k in history[-1] if k.startswith("val-"))
+        raise SystemExit(f"--early-stop-metric {args.early_stop_metric}: no such validation metric; there are {names}")
+    if is_best(history, args.early_stop_metric):
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        save_hf(
+            policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank, step=history[-1]["step"], dtype=dtype
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,6 +286,12 @@ def main(argv=None):
     parser.add_argument(
         "--reward-weights", default="", help="comma-separated weights, one per --reward-fn; empty: all 1"
     )
+    parser.add_argument("--tools", default="", help="file.py or file.py:fn1,fn2: multi-turn, as train_grpo.py --tools")
+    parser.add_argument("--max-turns", type=int, default=5, help="with --tools: the model's turns per sample, >= 1")
+    parser.add_argument("--tool-timeout", type=float, default=10.0, help="with --tools: seconds per call, > 0")
+    parser.add_argument(
+        "--max-tool-response-length", type=int, default=256, help="with --tools: characters of a result, >= 1"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -278,6 +323,13 @@ def main(argv=None):
             f"--max-prompts must be >= 1, or -1 for all, got {args.max_prompts}",
         ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
+        (not args.tools or os.path.isfile(args.tools.partition(":")[0]), f"--tools {args.tools}: no such file"),
+        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
+        (0 < args.tool_timeout < math.inf, f"--tool-timeout must be > 0 seconds, got {args.tool_timeout}"),
+        (
+            args.max_tool_response_length >= 1,
+            f"--max-tool-response-length must be >= 1, got {args.max_tool_response_length}",
+        ),
         *reward_rules(args),
     ]
     problems = [message for ok, message in rules if not ok]
@@ -310,10 +362,18 @@ def main(argv=None):
         raise SystemExit(
             f"--model {args.model}: not a local model directory, and it cannot be loaded as a Hugging Face hub id ({err})"
         ) from None
+    tools = None
+    if args.tools:
+        from multi_turn import start_tools
+
+        limits = dict(max_turns=args.max_turns, timeout=args.tool_timeout, max_chars=args.max_tool_response_length)
+        try:
+            tools = start_tools(args.tools, tokenizer, stop_token_ids(args.model), **limits)
+        except RuntimeError as err:  # names the file and the function
+            raise SystemExit(str(err)) from None
     try:
-        rows, _ = data_prep.load_prompts(
-            args.data, tokenizer, known_sources=None if args.reward_fn else BUILTIN_SOURCES
-        )
+        known = None if args.reward_fn else BUILTIN_SOURCES
+        rows, _ = data_prep.load_prompts(args.data, tokenizer, known, schemas=tools.schemas if tools else None)
     except data_prep.DataError as err:
         raise SystemExit(str(err)) from None
     if args.max_prompts > 0:
@@ -357,7 +417,10 @@ def main(argv=None):
         seed=args.seed,
         rank=rank,
         world=world,
+        tools=tools,
     )
+    if tools:
+        tools.close()
     engine.close()  # after validate's gather: under torchrun, vLLM's shutdown takes the process group down with it
     if dist.is_initialized():
         dist.destroy_process_group()

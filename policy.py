@@ -21,11 +21,12 @@ from logprobs import entropy_from_logits, head_logprobs_entropy, logprobs_from_l
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
 
 
-def make_batch(prompts, responses, pad_id, group=1):
+def make_batch(prompts, responses, pad_id, group=1, model_mask=None):
     """Token id lists -> tensors. input_ids = [pad.. prompt | response ..pad]: [N, P + R].
     The logits that predict response token t sit at column P - 1 + t. With group = n > 1, every n
     consecutive rows share one prompt (a GRPO group, prompt-major): the policy then runs that prompt
-    once for the group, not once per response (response_logprobs)."""
+    once for the group, not once per response (response_logprobs). model_mask (multi-turn: one 0/1
+    list per response) leaves response_mask 1 on the model's own tokens only."""
     P, R = max(map(len, prompts)), max(max(map(len, responses)), 1)
     n = len(prompts)
     if group > 1:
@@ -39,12 +40,15 @@ def make_batch(prompts, responses, pad_id, group=1):
         input_ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[i, P - len(p) : P + len(r)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention_mask[:, P:].float()
+    for i, m in enumerate(model_mask or []):  # the tools' and the chat template's tokens are not the policy's
+        response_mask[i, : len(m)] *= torch.tensor(m, dtype=torch.float)
     return dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         responses=input_ids[:, P:],
-        response_mask=attention_mask[:, P:].float(),
+        response_mask=response_mask,
         prompt_width=P,
         prompt_lens=[len(p) for p in prompts],
         response_lens=[max(len(r), 1) for r in responses],

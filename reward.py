@@ -251,7 +251,9 @@ def score_responses(
     return scores, extras
 
 
-def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=None, errors="raise", where=""):
+def score_rows(
+    reward_fn, rows, texts, first=0, response_ids=None, truncated=None, errors="raise", where="", conversations=None
+):
     """score_responses for rows of verl's schema and one response text each. Error messages say
     "{where}, sample {i} of the batch": `where` names the batch ("step 3", "validation at step 2") and
     `first` is the place of this rank's first sample in it (every rank's samples count).
@@ -264,17 +266,26 @@ def score_rows(reward_fn, rows, texts, first=0, response_ids=None, truncated=Non
         response_length   int        len(response_ids), counted as verl and overlong_penalty count it
         truncated         bool       the response hit the length limit instead of stopping on its own
 
+    and, multi-turn (conversations: one list of messages per sample), where the text scored is the
+    model's last turn:
+
+        conversation      list[dict] the messages after the prompt: the model's turns and the tools' results
+        num_turns         int        the model's turns
+
     The row itself is never changed: a prompt's n samples share one row (the next sample must not see
     this one's tokens), and rows are reused every epoch.
     """
     infos = [r.get("extra_info") for r in rows]
-    if response_ids is not None or truncated is not None:
+    if response_ids is not None or truncated is not None or conversations is not None:
         infos = [dict(info or {}) for info in infos]
         for i, info in enumerate(infos):
             if response_ids is not None:
                 info.update(response_ids=list(response_ids[i]), response_length=len(response_ids[i]))
             if truncated is not None:
                 info["truncated"] = bool(truncated[i])
+            if conversations is not None:
+                info["conversation"] = [dict(m) for m in conversations[i]]
+                info["num_turns"] = sum(m["role"] == "assistant" for m in conversations[i])
     return score_responses(
         reward_fn,
         [r["data_source"] for r in rows],

@@ -1,5 +1,6 @@
-"""A step's rollout: each rank asks its engine for n responses to each of its prompts, scores them,
-and, with --filter-groups (DAPO's dynamic sampling), keeps generating until enough groups differ.
+"""A step's rollout: each rank asks its engine for n responses to each of its prompts (with --tools,
+multi-turn conversations: multi_turn.py), scores them, and, with --filter-groups (DAPO's dynamic
+sampling), keeps generating until enough groups differ.
 
 The engines (vllm_engine.py, hf_engine.py) share one interface: generate(prompts, n, ...) -> Rollout
 with each response token's log-prob, update_weights, sleep and wake_up. Log-probs are those of the
@@ -33,6 +34,10 @@ class Rollout:
         default_factory=list
     )  # [B*n][T_i] nats, log softmax(logits / temperature); [] if not asked
     truncated: list[bool] = field(default_factory=list)  # [B*n], True when max_new_tokens ran out before EOS
+    # multi-turn (multi_turn.py) only, else []: per response token, 1 if the model wrote it, 0 if a tool's
+    # result or the chat template's framing; and per sample, its conversation (multi_turn.Turns)
+    model_mask: list[list[int]] = field(default_factory=list)  # [B*n][T_i]
+    turns: list = field(default_factory=list)  # [B*n]
 
 
 def stop_token_ids(model_path):
@@ -135,6 +140,7 @@ def score_samples(reward, samples, texts, out, *, first, args, device, where="")
     Returns (scores, extras: the logged parts, one value per sample)."""
     reward_fn, rm = reward
     kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors, where=where)
+    kw["conversations"] = [t.conversation for t in out.turns] if out.turns else None
     scores, extras = score_rows(reward_fn, samples, texts, first=first, **kw)
     if rm is not None:  # reward = rule + w x model, or w x model alone
         extras["rule"] = scores
@@ -163,9 +169,32 @@ class StepRollout:
     scores: list  # [B*n] rewards
     extras: dict  # name -> [B*n]: the reward's logged parts
     filter_metrics: dict  # filter/* with --filter-groups, else {}
+    model_mask: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: 1 on the model's tokens
+    turns: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: multi_turn.Turns
 
 
-def collect_rollout(engine, train_rows, step, *, args, rank, world, tokenizer, reward, eos_ids, timing, device):
+def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):
+    """n responses to each row's prompt (a Rollout): one turn each, or with `tools` (a
+    multi_turn.ToolSetup) the multi-turn conversations of multi_turn.generate_turns."""
+    if tools is not None:
+        from multi_turn import generate_turns
+
+        return generate_turns(engine, rows, tools, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
+    prompts = [r["prompt_ids"] for r in rows]
+    return engine.generate(prompts, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
+
+
+def response_texts(out, tokenizer, eos_ids):
+    """The text the reward scores of each response: its tokens without a final EOS (reward.response_text),
+    or, multi-turn, the model's last turn."""
+    if out.turns:
+        return [t.answer() for t in out.turns]
+    return [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
+
+
+def collect_rollout(
+    engine, train_rows, step, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools=None
+):
     """This step's samples on this rank (StepRollout): n responses to each of its prompts, seeded by
     the prompt's place in the global batch, their texts and rewards (with the overlong punishment).
 
@@ -182,22 +211,33 @@ def collect_rollout(engine, train_rows, step, *, args, rank, world, tokenizer, r
             engine.wake_up()
             kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
             seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
-            prompts, max_new = [r["prompt_ids"] for r in rows], args.max_response_length
-            out = engine.generate(prompts, n=n, max_new_tokens=max_new, seeds=seeds, **kw)
+            out = generate(engine, rows, tools, n=n, max_new_tokens=args.max_response_length, seeds=seeds, **kw)
             engine.sleep()
         with timed(timing, "reward"):
             samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
-            texts = [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
+            texts = response_texts(out, tokenizer, eos_ids)
             place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
             where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
             scores, extras = score_samples(
                 reward, samples, texts, out, first=place, args=args, device=device, where=where
             )
         if not args.filter_groups:
-            return StepRollout(rows, out.response_ids, out.logprobs, out.truncated, texts, scores, extras, {})
+            return StepRollout(
+                rows,
+                out.response_ids,
+                out.logprobs,
+                out.truncated,
+                texts,
+                scores,
+                extras,
+                {},
+                out.model_mask,
+                out.turns,
+            )
         # every rank's samples, as columns in global order, added to those of earlier batches
         mine = dict(row=[i for i in indices for _ in range(n)], ids=out.response_ids, text=texts, score=scores)
         mine.update(truncated=out.truncated, logp=out.logprobs or [[]] * len(texts))
+        mine.update(model_mask=out.model_mask or [[]] * len(texts), turns=out.turns or [None] * len(texts))
         mine["extra"] = [{k: v[i] for k, v in extras.items()} for i in range(len(texts))]  # keys may differ by rank
         pool = {k: pool.get(k, []) + sum((part[k] for part in all_gather(mine)), []) for k in mine}
         groups = [pool["score"][g : g + n] for g in range(0, len(pool["score"]), n)]
@@ -212,4 +252,16 @@ def collect_rollout(engine, train_rows, step, *, args, rank, world, tokenizer, r
     metrics = {"filter/kept_groups": min(len(informative), args.prompt_batch_size)}
     metrics.update({"filter/dropped_groups": len(uninformative), "filter/gen_batches": batch + 1})
     rows, logprobs = [train_rows[i] for i in mine["row"][::n]], mine["logp"] if args.engine_logprobs else []
-    return StepRollout(rows, mine["ids"], logprobs, mine["truncated"], mine["text"], mine["score"], extras, metrics)
+    multi = tools is not None  # the multi-turn columns
+    return StepRollout(
+        rows,
+        mine["ids"],
+        logprobs,
+        mine["truncated"],
+        mine["text"],
+        mine["score"],
+        extras,
+        metrics,
+        mine["model_mask"] if multi else [],
+        mine["turns"] if multi else [],
+    )

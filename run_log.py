@@ -30,12 +30,14 @@ from memory import memory_gb
 # A step's metrics, verl's names
 
 
-def rollout_metrics(scores, advantages, response_mask, prompt_lens, truncated, extras, group_size):
-    """Metrics of this rank's rollout: scores and advantages [N], response_mask [N, R],
-    prompt_lens [N], truncated [N] bools, extras: the reward's extra keys (reward.score_responses)."""
+def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated, extras, group_size):
+    """Metrics of this rank's rollout: scores and advantages [N], response_lengths [N] (every token after
+    the prompt, a tool's too, as verl counts them), prompt_lens [N], truncated [N] bools, extras: the
+    reward's extra keys (reward.score_responses)."""
     metrics = {}
     columns = dict(score=torch.tensor(scores, dtype=torch.float), advantages=advantages.float())
-    columns.update(response_length=response_mask.sum(-1), prompt_length=torch.tensor(prompt_lens, dtype=torch.float))
+    lengths = torch.tensor(response_lengths, dtype=torch.float)
+    columns.update(response_length=lengths, prompt_length=torch.tensor(prompt_lens, dtype=torch.float))
     for name, values in columns.items():
         prefix = f"critic/{name}" if name in ("score", "advantages") else name
         metrics.update(
@@ -81,11 +83,19 @@ def loss_metrics(stats, device):
 def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, skipped, timing, args, device):
     """A training step's metrics under verl's names, reduced over ranks: the loss terms (`stats`, one
     dict per micro-batch), the rollout's rewards, lengths and advantages (`ro`: train_grpo.StepRollout;
-    `adv_values` per token or per sample; `mask` [N, R] before --mask-truncated), the engine-vs-trainer
-    gap ([N, R] log-probs), the phases' times and the throughput."""
+    `adv_values` per token or per sample; `mask` [N, R]: the model's tokens, before --mask-truncated), the
+    engine-vs-trainer gap ([N, R] log-probs), the phases' times and the throughput; multi-turn, num_turns/*
+    and tool/* (multi_turn.turn_metrics) over every rank's samples."""
     prompt_lens = [len(r["prompt_ids"]) for r in ro.rows for _ in range(args.group_size)]
+    lengths = [len(ids) for ids in ro.response_ids]
     metrics = {"actor/lr": lr, **loss_metrics(stats, device), **ro.filter_metrics}
-    metrics.update(rollout_metrics(ro.scores, adv_values, mask, prompt_lens, ro.truncated, ro.extras, args.group_size))
+    metrics.update(
+        rollout_metrics(ro.scores, adv_values, lengths, prompt_lens, ro.truncated, ro.extras, args.group_size)
+    )
+    if ro.turns:
+        from multi_turn import turn_counts, turn_metrics  # not at the top: multi_turn -> rollout -> run_log
+
+        metrics.update(turn_metrics(sum(all_gather(turn_counts(ro.turns)), [])))
     if skipped:
         metrics["actor/skipped_updates"] = skipped
     if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
@@ -93,7 +103,7 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
     if args.engine_logprobs:
         metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask))
     metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-    tokens = mask.sum().item() + sum(prompt_lens)
+    tokens = sum(lengths) + sum(prompt_lens)
     metrics["perf/total_num_tokens"] = all_sum(tokens, device)  # prompt + response tokens, all ranks
     metrics["perf/throughput"] = tokens / timing["step"]  # tokens/s per rank, as verl reports it
     metrics["perf/max_memory_allocated_gb"] = memory_gb(device)

@@ -144,30 +144,36 @@ class Call(NamedTuple):
 
 
 def parse_calls(text):
-    """Every <tool_call>...</tool_call> in `text`, in order, as a Call. A call without its closing tag,
-    with invalid JSON, or with JSON that is not {"name": str, "arguments": dict} is a Call with a problem
-    the model can read; this never raises. "arguments" may be left out for a tool without any."""
+    """Every call in the <tool_call>...</tool_call> blocks of `text`, in order, as a Call. A call without
+    its closing tag, with invalid JSON, or with JSON that is not {"name": str, "arguments": dict} (or a
+    list of them) is a Call with a problem the model can read; this never raises. "arguments" may be left
+    out for a tool without any."""
     calls, start = [], text.find(OPEN)
     while start != -1:
         end, following = text.find(CLOSE, start), text.find(OPEN, start + len(OPEN))
         if end == -1 or -1 < following < end:
             calls.append(Call(None, None, f"a {OPEN} without its {CLOSE}; write {CALL_FORMAT}"))
         else:
-            calls.append(read_call(text[start + len(OPEN) : end]))
+            calls += read_calls(text[start + len(OPEN) : end])
             following = text.find(OPEN, end)
         start = following
     return calls
 
 
-def read_call(body):
-    """The Call in the text between <tool_call> and </tool_call>."""
+def read_calls(body):
+    """The Calls in the text between <tool_call> and </tool_call>: one JSON object, or a list of them
+    (SmolLM2's format, from its function-calling training; [] is no call)."""
     try:
-        call = json.loads(body)
+        value = json.loads(body)
     except (ValueError, RecursionError) as e:  # RecursionError: [[[[...]]]] nested past json's limit
-        return Call(None, None, f"the tool call is not valid JSON ({e}): {safe_repr(body.strip(), 200)}")
-    if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict):
-        return Call(call["name"], call.get("arguments", {}))
-    return Call(None, None, f"the tool call {safe_repr(call, 200)} is not of the form {CALL_FORMAT}")
+        return [Call(None, None, f"the tool call is not valid JSON ({e}): {safe_repr(body.strip(), 200)}")]
+    calls = []
+    for call in value if isinstance(value, list) else [value]:
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict):
+            calls.append(Call(call["name"], call.get("arguments", {})))
+        else:
+            calls.append(Call(None, None, f"the tool call {safe_repr(call, 200)} is not of the form {CALL_FORMAT}"))
+    return calls
 
 
 VERL_LIFECYCLE = {"create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs"}
@@ -203,7 +209,8 @@ def run_calls(calls, worker, tools_kwargs=None, timeout=10.0, max_chars=4000):
     signature (checked before calling), a tool that raises, calls sys.exit, crashes its worker or runs
     past `timeout` seconds, each gives an "error: ..." message the model reads (e.g. "error: unknown
     tool 'foo'; available: calculator"); the worker is replaced when needed and serves the next call.
-    A result longer than `max_chars` characters is cut, with a note. tools_kwargs: the row's
+    A result longer than `max_chars` characters is cut, with a note; an error message, to max_chars.
+    tools_kwargs: the row's
     (row_kwargs), passed to the tools besides the model's arguments, which cannot override them."""
     valid = [c for c in calls if c.problem is None]
     requests = [(c.name, c.arguments, row_kwargs(tools_kwargs, c.name), max_chars) for c in valid]
@@ -220,7 +227,7 @@ def run_calls(calls, worker, tools_kwargs=None, timeout=10.0, max_chars=4000):
                 status, text = "timeout", f"error: {call.name} did not return within {timeout:g} s and was stopped"
             else:  # it crashed or ended its worker process
                 status, text = "raised", f"error: {call.name} {problem}"
-        messages.append({"role": "tool", "content": text})
+        messages.append({"role": "tool", "content": text if status in ("ok", "truncated") else text[:max_chars]})
         statuses.append(status)
     return messages, statuses
 

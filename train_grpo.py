@@ -9,8 +9,9 @@ Each step: n responses per prompt from the engine colocated in every rank (rollo
 clipped surrogate + KL loss (loss.py) over mini- and micro-batches of the FSDP2 policy (policy.py)
 -> the new weights into the engine -> log, validate, checkpoint. The same command resumes a run
 exactly (checkpoint.py). Kept from verl's GRPO: its data schema, formulas, defaults and metric
-names. Dropped: a critic (GRPO needs none), KL in the reward (we use the KL loss, as verl's GRPO
-examples do), multi-turn rollouts and sequence packing.
+names. With --tools, each response is a conversation: the model's turns and its tools' results
+(multi_turn.py), trained on the model's own tokens only. Dropped: a critic (GRPO needs none), KL in
+the reward (we use the KL loss, as verl's GRPO examples do), and sequence packing.
 """
 
 import dataclasses
@@ -48,10 +49,11 @@ from distributed import (
     run,
     stop_requested,
 )
-from eval import samples_table, validate
+from eval import keep_best, run_validation
 from loss import agg_denominator, loss_agg_for, micro_batch_loss
 from memory import check_update_memory
 from models import check_model_path
+from multi_turn import start_tools
 from policy import (
     compute_dtype,
     compute_logprobs,
@@ -68,7 +70,7 @@ from policy import (
 )
 from reward import compute_score, load_reward_fns, reward_specs, reward_weights
 from rollout import collect_rollout, start_engine, stop_token_ids
-from run_log import RunLog, is_best, sample_records, should_stop, step_metrics, timed
+from run_log import RunLog, sample_records, should_stop, step_metrics, timed
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
@@ -111,34 +113,7 @@ def save_checkpoint(
 
 
 # ----------------------------------------------------------------------------------------------
-# One step's pieces: prompts, validation, the loss, the update
-
-
-def run_validation(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, log):
-    """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
-    engine.wake_up()
-    kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
-    kw.update(errors=args.reward_errors, where=f"validation at step {step}")
-    metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
-    engine.sleep()
-    log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
-    if step == 0:  # once, so the console shows what the prompts and responses look like
-        log.write(f"validation samples, step 0:\n{samples_table(samples[:5])}")
-    return metrics
-
-
-def keep_best(history, args, policy, tokenizer, rank):
-    """With --early-stop-metric: check the metric exists; save the policy whenever it is the best so far."""
-    if not args.early_stop_metric:
-        return
-    if args.early_stop_metric not in history[-1]:
-        names = sorted(k for k in history[-1] if k.startswith("val-"))
-        raise SystemExit(f"--early-stop-metric {args.early_stop_metric}: no such validation metric; there are {names}")
-    if is_best(history, args.early_stop_metric):
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        save_hf(
-            policy, tokenizer, os.path.join(args.out_dir, "best_model"), rank, step=history[-1]["step"], dtype=dtype
-        )
+# One step's pieces: the loss, the update
 
 
 def update_policy(policy, optimizer, batch, *, step, args, world, device):
@@ -241,7 +216,14 @@ def main():
         raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = set(stop_token_ids(args.model))
-    train_rows, val_rows = data_prep.load_data(args, tokenizer)
+    tools = None  # --tools: multi-turn rollouts, the tools in a worker process (multi_turn.py)
+    if args.tools:
+        limits = dict(max_turns=args.max_turns, timeout=args.tool_timeout, max_chars=args.max_tool_response_length)
+        try:
+            tools = start_tools(args.tools, tokenizer, eos_ids, **limits)
+        except RuntimeError as e:  # the file does not load, or a function has no type hints or docstring
+            raise SystemExit(str(e)) from None
+    train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     if resume_from:  # a finished run ends here, before the engine loads
@@ -317,6 +299,7 @@ def main():
         rank=rank,
         world=world,
         log=log,
+        tools=tools,
     )
     if args.val_before_train and args.test_freq > 0 and start_step == 0:
         log.log(0, validation(0))
@@ -346,6 +329,7 @@ def main():
             eos_ids=eos_ids,
             timing=timing,
             device=device,
+            tools=tools,
         )
         checkpoint.crash_point("rollout", step)
         asked = stop_requested(device)
@@ -356,8 +340,8 @@ def main():
 
         # ---- advantages: each prompt's group lives on one rank (REINFORCE++ whitens over all ranks' tokens)
         group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
-        batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group)
-        mask = batch["response_mask"]  # [N, R]
+        batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
+        mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
         advantages = compute_advantages(  # [N], or [N, R] for REINFORCE++
             ro.scores,
             args.group_size,
@@ -422,7 +406,8 @@ def main():
         if any(k.startswith("val-") for k in metrics):
             keep_best(log.history, args, policy, tokenizer, rank)
         first_group = slice(0, args.group_size)  # the first prompt's samples, for the reader
-        log.samples("train.jsonl", step, sample_records(tokenizer, samples[first_group], ro.texts, ro.scores))
+        shown = [t.shown() for t in ro.turns] if ro.turns else ro.texts  # multi-turn: the whole conversation
+        log.samples("train.jsonl", step, sample_records(tokenizer, samples[first_group], shown, ro.scores))
 
         # ---- checkpoint: everything needed to continue this run exactly
         stop = should_stop(log.history, args.early_stop_metric, args.early_stop_patience)
@@ -457,6 +442,8 @@ def main():
         if rank == 0 and done > 0:
             report.write_report(args.out_dir)
         engine.close()
+        if tools:
+            tools.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         record_root_cause(message)
@@ -480,6 +467,8 @@ def main():
         counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
         print0(f"health report: {path}: {verdicts['overall']} ({counts})")
     engine.close()  # before destroy_process_group, or vLLM's shutdown fails
+    if tools:
+        tools.close()
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
         dist.destroy_process_group()
 

@@ -52,7 +52,7 @@ def raise_end_of_turn(model_dir, token, boost=1.1):
     with torch.no_grad():
         embedding = model.get_input_embeddings().weight  # [V, H]; tied to the head
         embedding[:, 0] = 1.0
-        embedding[token, 0] = 1.0 + boost
+        embedding[token, 0] = 1.0 + boost  # `token` may be a list of ids, each raised alike
     model.save_pretrained(model_dir)
 
 
@@ -75,6 +75,21 @@ def qwen_model(tmp_path_factory):
         intermediate_size=256,
     )
     raise_end_of_turn(out, token=151645)  # <|im_end|>
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_tool_model(tmp_path_factory):
+    """qwen_model's like, that also opens and closes tool calls: <|im_end|>, <tool_call> and
+    </tool_call> each about one sampled token in ten, so that about a third of its turns call a
+    tool (with random tokens for JSON: the model reads an error, and goes on)."""
+    from models import build_random_model
+
+    need(QWEN_DIR)
+    out = str(tmp_path_factory.mktemp("qwen_tools") / "qwen2-h128")
+    sizes = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+    build_random_model(out, QWEN_DIR, hidden_size=128, **sizes)
+    raise_end_of_turn(out, token=[151645, 151657, 151658])
     return out
 
 

@@ -32,7 +32,7 @@ def test_rollout_metrics_use_verl_names():
     scores, advantages = [1.0, 0.0, 1.0, 1.0], torch.tensor([0.7, -0.7, 0.0, 0.0])
     extras = dict(pred=["3", "4", "3", None], acc=[True, False, 1.0, None])
     m = run_log.rollout_metrics(
-        scores, advantages, mask, [5, 5, 7, 7], [False, False, True, False], extras, group_size=2
+        scores, advantages, mask.sum(-1).tolist(), [5, 5, 7, 7], [False, False, True, False], extras, group_size=2
     )
     assert (
         m["critic/score/mean"] == 0.75

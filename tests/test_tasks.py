@@ -285,3 +285,36 @@ def test_multiply_task_holds_out_factor_pairs_in_both_orders_and_scores_the_last
     )
     with pytest.raises(ValueError, match="test_pairs must be between 1 and 65"):
         write_multiply(str(tmp_path / "x"), test_pairs=66)
+
+
+def test_products_3x2_hold_out_their_pairs_and_score_the_product(tmp_path):
+    """The calculator's task: a 3-digit times a 2-digit number, neither a multiple of 10, distinct
+    pairs, none in both splits, the same for the same seed; the CLI writes it."""
+    data_prep.main(
+        ["multiply", "--digits", "3x2", "--train-size", "300", "--test-size", "50", "--out", str(tmp_path / "a")]
+    )
+    data_prep.main(
+        ["multiply", "--digits", "3x2", "--train-size", "300", "--test-size", "50", "--out", str(tmp_path / "b")]
+    )
+    train, test = (load_dataset(str(tmp_path / "a" / f"{s}.parquet")) for s in ("train", "test"))
+    pairs = {
+        s: [(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows]
+        for s, rows in (("train", train), ("test", test))
+    }
+    assert (
+        len(set(pairs["train"])) == 300
+        and len(set(pairs["test"])) == 50
+        and not set(pairs["train"]) & set(pairs["test"])
+    )
+    assert all(100 <= a <= 999 and 10 <= b <= 99 and a % 10 and b % 10 for a, b in pairs["train"] + pairs["test"])
+    row = test[0]
+    a, b = pairs["test"][0]
+    assert row["prompt"][-1]["content"] == f"What is {a} * {b}?" and row["reward_model"]["ground_truth"] == str(a * b)
+    assert compute_score(row["data_source"], f"{a} * {b} = {a * b}", str(a * b)) == 1.0
+    assert load_dataset(str(tmp_path / "b" / "test.parquet")) == test  # seeded
+    data_prep.main(["multiply", "--digits", "3x2", "--shots", "2", "--test-size", "5", "--out", str(tmp_path / "s")])
+    shot = load_dataset(str(tmp_path / "s" / "test.parquet"))[0]["prompt"]  # two worked calculator calls first
+    assert [m["role"] for m in shot] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    assert '"name": "calculator"' in shot[1]["content"] and shot[2]["content"] == str(806 * 17)
+    with pytest.raises(ValueError, match="add up to at most"):
+        data_prep.main(["multiply", "--digits", "3x2", "--train-size", "70000", "--out", str(tmp_path / "c")])

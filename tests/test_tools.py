@@ -198,6 +198,14 @@ def test_parse_one_call_and_several():
     two = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b"}</tool_call> done'
     assert tools.parse_calls(two) == [call("a", x=1), call("b")]  # "arguments" may be left out
     assert tools.parse_calls("no calls here </tool_call>") == []
+    # SmolLM2's trained format: a list of calls in one block; [] is no call at all
+    listed = '<tool_call>[\n{"name": "a", "arguments": {"x": 1}},\n{"name": "b", "arguments": {}}\n]</tool_call>'
+    assert (
+        tools.parse_calls(listed) == [call("a", x=1), call("b")]
+        and tools.parse_calls("<tool_call>[]</tool_call>") == []
+    )
+    mixed = tools.parse_calls('<tool_call>[{"name": "a"}, 7]</tool_call>')
+    assert mixed[0] == call("a") and "the tool call 7 is not of the form" in mixed[1].problem
 
 
 @pytest.mark.parametrize(
@@ -206,7 +214,8 @@ def test_parse_one_call_and_several():
         ('<tool_call>{"name": "a", "arguments": {}}', "a <tool_call> without its </tool_call>; write <tool_call>{"),
         ("<tool_call>{name: a}</tool_call>", "the tool call is not valid JSON (Expecting property name"),
         ("<tool_call></tool_call>", "the tool call is not valid JSON"),
-        ('<tool_call>["a", {}]</tool_call>', "the tool call ['a', {}] is not of the form <tool_call>{\"name\""),
+        ('<tool_call>"a"</tool_call>', "the tool call 'a' is not of the form <tool_call>{\"name\""),
+        ('<tool_call>[["a"]]</tool_call>', "the tool call ['a'] is not of the form"),
         ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', "is not of the form"),
         ('<tool_call>{"name": "a", "arguments": "x=1"}</tool_call>', "is not of the form"),
         ("<tool_call>" + "[" * 100_000 + "</tool_call>", "the tool call is not valid JSON"),  # past json's depth
