@@ -32,7 +32,7 @@ def runs(tmp_path_factory, qwen_tool_model, gsm8k_data):
         *("--model", qwen_tool_model, *gsm8k_flags(gsm8k_data), "--reward-fn", str(root / "reward.py")),
         *("--tools", os.path.join(REPO, "examples", "tools", "calculator.py"), "--max-turns", "3"),
         *"--max-response-length 64 --max-tool-response-length 24 --max-prompt-length 512 --val-max-prompts 8".split(),
-        *"--dtype fp32 --lr 1e-3".split(),
+        *"--dtype fp32 --lr 1e-3 --prompt-batch-size 4 --mini-batch-size 4".split(),  # 16 samples: the head is costly
     ]
     train(root / "ranks1", *flags)
     train(root / "ranks2", *flags, ranks=2)
@@ -74,7 +74,7 @@ def test_a_killed_multi_turn_run_resumes_exactly(runs):
 def test_vllm_with_lora_and_dynamic_sampling_on_two_ranks(runs, tmp_path):
     _, flags = runs
     extra = "--rollout vllm --lora-rank 8 --lr 5e-3 --filter-groups --max-gen-batches 2 --max-steps 2 --test-freq 2"
-    extra += " --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --save-freq -1"
+    extra += " --group-size 4 --save-freq -1"
     run_script(*flags, *extra.split(), "--out-dir", str(tmp_path), ranks=2)
     rows = metrics(tmp_path)
     for row in rows[1:]:
