@@ -9,7 +9,7 @@ import os
 import torch
 
 from models import check_model_path
-from rollout import Rollout, sample_seeds, stop_token_ids
+from rollout import Rollout, per_prompt, sample_seeds, stop_token_ids
 
 
 def filter_logits(z, top_k=-1, top_p=1.0):
@@ -81,7 +81,7 @@ class HFEngine:
         in its text (kept whole, as vLLM keeps it)."""
         if seeds is None:
             seeds = torch.randint(0, 2**31, (len(prompts),), generator=self.rng).tolist()
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        budgets = per_prompt(max_new_tokens, len(prompts))
         rows = [list(p) for p in prompts for _ in range(n)]  # [B*n] prompts, prompt-major
         row_seeds = sample_seeds(seeds, len(prompts), n)  # [B*n]
         row_budgets = [b for b in budgets for _ in range(n)]

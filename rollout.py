@@ -55,6 +55,11 @@ def stop_token_ids(model_path):
     return sorted(set(eos) | {tokenizer.eos_token_id} - {None})
 
 
+def per_prompt(max_new_tokens, n_prompts):
+    """max_new_tokens as one budget per prompt: an int for all of them, or already a list of them."""
+    return [max_new_tokens] * n_prompts if isinstance(max_new_tokens, int) else list(max_new_tokens)
+
+
 def sample_seeds(seeds, n_prompts, n):
     """The seed of each sample, prompt-major [B*n]: prompt seed s -> s*n + j for sample j."""
     if len(seeds) != n_prompts:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from models import check_model_path
-from rollout import Rollout, sample_seeds
+from rollout import Rollout, per_prompt, sample_seeds
 
 
 def with_tied_lm_head(named_tensors):
@@ -185,7 +185,7 @@ class VLLMEngine:
         in its text (kept whole: vLLM cuts only the text, which we do not use)."""
         from vllm import SamplingParams
 
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        budgets = per_prompt(max_new_tokens, len(prompts))
         # vLLM refuses n > 1 when greedy; the n greedy samples are all the same, so we make one and copy it
         n_engine = 1 if temperature == 0 else n
         # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
