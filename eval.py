@@ -2,7 +2,6 @@
 
     python eval.py --model runs/grpo/final_model --data runs/grpo/data/test.parquet --n 8 --temperature 0.6
     torchrun --nproc_per_node=2 eval.py --model ... --data ... --samples 8   # the data is split over ranks
-    python eval.py --model M --data D --tools examples/tools/calculator.py    # multi-turn, as train_grpo --tools
     python eval.py report runs/grpo [--bands kl_max=0.05,target=0.9]        # a run's health report (report.py)
 
 Per data source, over each prompt's n samples (then averaged over prompts):
