@@ -199,6 +199,9 @@ class Args:
     engine_logprobs: bool = True
     """Have the engine return each sampled token's log-prob, for the engine-vs-trainer gap
     (training/rollout_*) and --tis-cap. Off: vLLM generation takes about a fifth less time on CPU; no gap metrics."""
+    max_staleness: int = rule(0, ">= 0", lambda v: v >= 0)
+    """Train on rollouts up to this many policy updates old (TRL's max_staleness; async_rollout.py): step t trains on
+    what version t-1-S generated, with AReaL's decoupled loss (--tis-cap: 2 unless given). 0: synchronous."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
@@ -272,20 +275,9 @@ class Args:
 
 # The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
 # pretrained model. These replace the defaults above unless given on the command line.
-DEMO_OVERRIDES = dict(
-    lr=5e-4,
-    warmup_steps=5,
-    prompt_batch_size=64,
-    mini_batch_size=64,
-    micro_batch_size=128,
-    max_prompt_length=32,
-    max_response_length=4,
-    kl_coef=0.0,
-    weight_decay=0.0,
-    entropy_coef=0.01,
-    max_steps=200,
-    test_freq=10,
-)
+DEMO_OVERRIDES = dict(lr=5e-4, warmup_steps=5, prompt_batch_size=64, mini_batch_size=64, micro_batch_size=128)
+DEMO_OVERRIDES.update(max_prompt_length=32, max_response_length=4, kl_coef=0.0, weight_decay=0.0, entropy_coef=0.01)
+DEMO_OVERRIDES.update(max_steps=200, test_freq=10)
 
 
 def field_docs(cls):
@@ -329,6 +321,10 @@ def check_args(args, world=1, cuda=None):
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        (
+            a.max_staleness == 0 or a.engine_logprobs,
+            "--max-staleness needs the engine's log-probs (the behaviour policy)",
+        ),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         *[
             (
@@ -480,6 +476,10 @@ def parse_args(argv=None):
                 setattr(args, key, value)
     if args.grad_checkpointing and "share_prompts" not in given_flags(argv):  # checkpointed layers drop the KV cache
         args.share_prompts = False
+    if args.max_staleness and "tis_cap" not in given_flags(
+        argv
+    ):  # the decoupled loss's cap, verl's rollout_is_threshold
+        args.tis_cap = 2.0
     problems = check_args(args, world=int(os.environ.get("WORLD_SIZE", 1)))  # torchrun sets WORLD_SIZE
     if problems:
         parser.error("\n  ".join(problems))

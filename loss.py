@@ -451,7 +451,16 @@ def micro_batch_loss(logp, token_entropy, view, *, agg, args):
     reference, - entropy_coef x the entropy, each aggregated by `agg` (train_grpo's --flags in
     `args`). logp and token_entropy [b, r]: the policy's, for the micro-batch's window of the batch
     (`view`: policy.window), which carries the advantages and the old, reference and engine
-    log-probs. Returns (loss, {name: number} of every term for the log, the old log-probs [b, r])."""
+    log-probs. Returns (loss, {name: number} of every term for the log, the old log-probs [b, r]).
+
+    With --tis-cap C the surrogate is AReaL's decoupled PPO objective, per token t:
+
+        loss_t = -min(w_t, C) * min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t),
+        r_t = pi_theta / pi_prox,   w_t = pi_prox / pi_behav (no gradient),
+
+    pi_behav the engine's log-probs (the policy that sampled: with --max-staleness S, up to S updates
+    old), pi_prox the trainer's at the start of the step (old_logp). The clip keeps the update near the
+    current policy however stale the samples; w corrects for sampling from pi_behav, capped."""
     device = logp.device
     m = view["response_mask"].to(device)  # [b, r]
     old = logp.detach() if view.get("old_logp") is None else view["old_logp"].to(device)  # on-policy: ratio 1

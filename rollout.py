@@ -176,6 +176,8 @@ class StepRollout:
     filter_metrics: dict  # filter/* with --filter-groups, else {}
     model_mask: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: 1 on the model's tokens
     turns: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: multi_turn.Turns
+    indices: list = dataclasses.field(default_factory=list)  # [B] each prompt's row in the training data
+    versions: list = dataclasses.field(default_factory=list)  # [B*n] the policy version that generated each
 
 
 def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):
@@ -238,6 +240,7 @@ def collect_rollout(
                 {},
                 out.model_mask,
                 out.turns,
+                indices,
             )
         # every rank's samples, as columns in global order, added to those of earlier batches
         mine = dict(row=[i for i in indices for _ in range(n)], ids=out.response_ids, text=texts, score=scores)
@@ -269,4 +272,5 @@ def collect_rollout(
         metrics,
         mine["model_mask"] if multi else [],
         mine["turns"] if multi else [],
+        mine["row"][::n],
     )

@@ -56,16 +56,28 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
     return metrics
 
 
-def engine_gap_metrics(trainer_logp, engine_logp, mask):
+def engine_gap_metrics(trainer_logp, engine_logp, mask, off_policy=False):
     """How far the engine's sampling distribution is from the trained policy, on the sampled tokens
-    (verl's training/rollout_*): log-probs [N, R] from each, mask [N, R]."""
+    (verl's training/rollout_*): log-probs [N, R] from each, mask [N, R]. off_policy (--max-staleness):
+    the engine's are the behaviour policy's and the trainer's the proximal one's; adds rollout_corr/*."""
     gap = (trainer_logp - engine_logp).abs() * mask
     prob_gap = (trainer_logp.exp() - engine_logp.exp()).abs() * mask
-    return {
+    metrics = {
         "training/rollout_probs_diff_max": prob_gap.max().item(),
         "training/rollout_probs_diff_mean": (prob_gap.sum() / mask.sum().clamp(min=1)).item(),
         "training/rollout_logprob_diff_max": gap.max().item(),
     }
+    if not off_policy:
+        return metrics
+    # the decoupled loss's importance weights pi_prox / pi_behav before the cap, and KL(behav || prox), from
+    # the behaviour policy's samples: k1 = E[log pi_behav - log pi_prox], k3 = E[w - 1 - log w]
+    tokens = mask.bool()
+    log_w = (trainer_logp - engine_logp)[tokens]
+    metrics["rollout_corr/is_weight/mean"] = log_w.exp().mean().item() if log_w.numel() else 1.0
+    metrics["rollout_corr/is_weight/max"] = log_w.exp().max().item() if log_w.numel() else 1.0
+    metrics["rollout_corr/kl"] = (-log_w).mean().item() if log_w.numel() else 0.0
+    metrics["rollout_corr/k3_kl"] = (log_w.exp() - 1 - log_w).mean().item() if log_w.numel() else 0.0
+    return metrics
 
 
 def loss_metrics(stats, device):
@@ -101,7 +113,7 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
     if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
         metrics["reward/errors"] = all_sum(sum(ro.extras["reward_error"]), device)
     if args.engine_logprobs:
-        metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask))
+        metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask, off_policy=args.max_staleness > 0))
     metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
     tokens = sum(lengths) + sum(prompt_lens)
     metrics["perf/total_num_tokens"] = all_sum(tokens, device)  # prompt + response tokens, all ranks

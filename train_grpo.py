@@ -37,6 +37,7 @@ import rng
 import run_dir
 import safe_write
 from advantage import compute_advantages
+from async_rollout import RolloutsAhead, staleness_metrics
 from config import allowed_changes, loggers, parse_args
 from distributed import (
     all_sum,
@@ -88,7 +89,7 @@ def lr_factor(step, args, total_steps):
 
 def resume(path, policy, optimizer, scheduler, *, args, base_fingerprint=None):
     """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history). LoRA adapters on another base model are refused."""
+    history, the rollouts it holds for later steps). LoRA adapters on another base model are refused."""
     state = checkpoint.load(path, policy, optimizer, dataclasses.asdict(args))
     lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
     scheduler.load_state_dict(state["scheduler"])
@@ -99,16 +100,18 @@ def resume(path, policy, optimizer, scheduler, *, args, base_fingerprint=None):
             group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
             group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
-    return step, history
+    return step, history, state.get("rollouts_ahead", {})
 
 
 def save_checkpoint(
-    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer
+    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, ahead
 ):
     """Everything needed to continue this run exactly from after `step` (checkpoint.Checkpointer)."""
     epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
     trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
     trainer_state["base_fingerprint"] = fingerprint
+    if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
+        trainer_state["rollouts_ahead"] = ahead.state(step)
     checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
 
 
@@ -264,7 +267,7 @@ def main():
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
-    checkpointer = None
+    checkpointer, ahead = None, RolloutsAhead(args.max_staleness, total_steps)  # --max-staleness: made in advance
     if args.save_freq > 0:
         checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save)
     save = partial(  # save(step): everything needed to continue this run exactly from after `step`
@@ -279,12 +282,14 @@ def main():
         log=log,
         fingerprint=base_fingerprint,
         tokenizer=tokenizer,
+        ahead=ahead,
     )
     start_step, history = 0, []
     if resume_from:
-        start_step, history = resume(
+        start_step, history, saved_rollouts = resume(
             resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=base_fingerprint
         )
+        ahead.load(saved_rollouts, train_rows, rank=rank, world=world, group_size=args.group_size)
         sync_weights(engine, policy, dtype)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
@@ -316,21 +321,12 @@ def main():
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
         rng_before = rng.get_state()  # what a checkpoint of step - 1 holds, if this step is abandoned
 
-        # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ)
-        ro = collect_rollout(
-            engine,
-            train_rows,
-            step,
-            args=args,
-            rank=rank,
-            world=world,
-            tokenizer=tokenizer,
-            reward=reward,
-            eos_ids=eos_ids,
-            timing=timing,
-            device=device,
-            tools=tools,
-        )
+        # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
+        # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
+        collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world, tokenizer=tokenizer)
+        collect = partial(collect, reward=reward, eos_ids=eos_ids, timing=timing, device=device, tools=tools)
+        ro = ahead.take(step, collect)
+        staleness = staleness_metrics(ro.versions, step, args.max_staleness)  # raises if any sample is too old
         checkpoint.crash_point("rollout", step)
         asked = stop_requested(device)
         if asked:  # the update has not started: abandon this step, as if it had never begun
@@ -395,6 +391,8 @@ def main():
             device=device,
         )
         metrics["training/epoch"] = epoch
+        if args.max_staleness:
+            metrics.update(staleness)
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
