@@ -187,6 +187,14 @@ class HFEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @torch.no_grad()
+    def prompt_logprobs(self, ids):
+        """log softmax(logits)[token] of each of ids[1:] given the ones before it: [len(ids) - 1] floats."""
+        logits = self.model(torch.tensor([ids], device=self.device)).logits[0, :-1].float()
+        return (
+            torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:], device=self.device)[:, None])[:, 0].tolist()
+        )
+
+    @torch.no_grad()
     def update_weights(self, named_tensors):
         """Copy (hf_name, full tensor) pairs into the model in place, one at a time."""
         for name, tensor in named_tensors:

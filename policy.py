@@ -346,13 +346,6 @@ def reference_logprobs(policy, reference, batch, **how):
         return compute_logprobs(policy, batch, **how)
 
 
-def sync_weights(engine, policy, dtype):
-    """Copy the policy's weights into the engine, one full parameter at a time."""
-    engine.wake_up()
-    engine.update_weights(full_parameters(policy, dtype))
-    engine.sleep()
-
-
 @torch.no_grad()
 def update_may_overflow(optimizer):
     """Whether optimizer.step() could make a weight non-finite, decided before the step, for torch's

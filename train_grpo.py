@@ -65,13 +65,13 @@ from policy import (
     reference_logprobs,
     response_logprobs,
     save_hf,
-    sync_weights,
     update_may_overflow,
     window,
 )
 from reward import compute_score, load_reward_fns, reward_specs, reward_weights
 from rollout import collect_rollout, start_engine, stop_token_ids
 from run_log import RunLog, sample_records, should_stop, step_metrics, timed
+from weight_sync import probe_ids, sync_and_check
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
@@ -284,13 +284,16 @@ def main():
         tokenizer=tokenizer,
         ahead=ahead,
     )
+    # the new weights into the engine, then a check that it serves them (weight_sync.py)
+    sync = partial(sync_and_check, engine, policy, dtype, probe=probe_ids(train_rows), pad_id=pad_id, device=device)
+    sync = partial(sync, dtype_name=args.dtype)
     start_step, history = 0, []
     if resume_from:
         start_step, history, saved_rollouts = resume(
             resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=base_fingerprint
         )
         ahead.load(saved_rollouts, train_rows, rank=rank, world=world, group_size=args.group_size)
-        sync_weights(engine, policy, dtype)
+        sync(version=start_step)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
     validation = partial(  # validation(step) -> metrics
@@ -372,7 +375,7 @@ def main():
 
         # ---- copy the new weights into the engine
         with timed(timing, "update_weights"):
-            sync_weights(engine, policy, dtype)
+            sync_gap = sync(version=step)
         timing["step"] = time.perf_counter() - t_step
 
         # ---- metrics, verl's names, reduced over ranks
@@ -392,7 +395,7 @@ def main():
         )
         metrics["training/epoch"] = epoch
         if args.max_staleness:
-            metrics.update(staleness)
+            metrics.update(staleness, **{"rollout/weight_sync_gap": sync_gap})
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):

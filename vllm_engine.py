@@ -217,6 +217,14 @@ class VLLMEngine:
                 rollout.truncated.append(sample.finish_reason == "length")
         return rollout
 
+    def prompt_logprobs(self, ids):
+        """log softmax(logits)[token] of each of ids[1:] given the ones before it: [len(ids) - 1] floats."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0)
+        out = self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
+        return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
+
     def update_weights(self, named_tensors):
         """Load (hf_name, full tensor) pairs into the engine. The iterator is consumed lazily, so a
         generator that gathers one parameter at a time never holds a second copy of the model."""

@@ -1,0 +1,106 @@
+"""The trainer's weights into a rollout engine, and the check that the engine then serves them.
+
+Colocated (every rank its own engine, the default): sync_weights copies them in, one full parameter
+at a time. With --rollout-ranks, trainer rank 0 sends them to the rollout ranks (rollout_ranks.py)
+packed into buckets of about BUCKET_MB each (pack / unpack), after a header naming each tensor's place
+and each bucket's float64 sum and sum of squares, which the receiver checks. With LoRA both send the
+merged weights.
+
+After every sync, check_engine compares the engine's log-probs of a fixed probe (the start of a
+training prompt) with the trainer's: a mean gap above PROBE_TOLERANCE means the engine does not serve
+the weights just sent (a load that failed quietly, LoRA adapters that never reached it: verl#7495),
+and raises WeightSyncError naming the version. Two implementations of the same weights differ by
+about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM against transformers), so in bf16 only a
+gross fault shows.
+"""
+
+import torch
+
+from policy import compute_logprobs, full_parameters, make_batch
+
+BUCKET_MB = 64
+PROBE_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}  # mean |engine - trainer| nats over the probe's tokens
+PROBE_TOKENS = 64
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def probe_ids(train_rows):
+    """The probe: the first PROBE_TOKENS tokens of the first training prompt (at least 2)."""
+    ids = list(train_rows[0]["prompt_ids"][:PROBE_TOKENS])
+    return ids if len(ids) >= 2 else ids + ids[:1] * (2 - len(ids))
+
+
+def trainer_probe(policy, ids, pad_id, device):
+    """The policy's log-probs of ids[1:], each given the ones before it, at temperature 1 (a collective:
+    every trainer rank runs the sharded forward)."""
+    batch = make_batch([ids[:1]], [ids[1:]], pad_id)
+    return compute_logprobs(policy, batch, micro=1, max_tokens=0, temperature=1.0, device=device)[0].tolist()
+
+
+def check_engine(engine, ids, expected, *, version, dtype):
+    """The mean gap between the engine's log-probs of the probe and the trainer's (`expected`), in nats;
+    WeightSyncError above PROBE_TOLERANCE[dtype]."""
+    got = engine.prompt_logprobs(ids)
+    gap = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
+    if not gap <= PROBE_TOLERANCE[dtype]:  # NaN fails too
+        raise WeightSyncError(
+            f"weight sync of policy version {version}: the engine's log-probs of the probe are {gap:.3g} nats from "
+            f"the trainer's (mean over {len(expected)} tokens; at most {PROBE_TOLERANCE[dtype]} expected in {dtype}): "
+            "the engine is not serving the weights it was sent"
+        )
+    return gap
+
+
+def sync_weights(engine, policy, dtype):
+    """Copy the policy's weights into the engine, one full parameter at a time."""
+    engine.wake_up()
+    engine.update_weights(full_parameters(policy, dtype))
+    engine.sleep()
+
+
+def sync_and_check(engine, policy, dtype, *, probe, pad_id, device, version, dtype_name):
+    """sync_weights, then check_engine; returns the probe's gap."""
+    expected = trainer_probe(policy, probe, pad_id, device)
+    sync_weights(engine, policy, dtype)
+    engine.wake_up()
+    gap = check_engine(engine, probe, expected, version=version, dtype=dtype_name)
+    engine.sleep()
+    return gap
+
+
+# ----------------------------------------------------------------------------------------------
+# Buckets: many tensors in few messages
+
+
+def pack(named_tensors, bucket_mb=BUCKET_MB):
+    """(layout: [(name, dtype, shape, bucket, offset)], buckets: flat CPU tensors of one dtype each)."""
+    layout, buckets, parts, size = [], [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().reshape(-1).cpu()
+        if parts and (flat.dtype != parts[0].dtype or size + flat.numel() * flat.element_size() > bucket_mb * 2**20):
+            buckets.append(torch.cat(parts))
+            parts, size = [], 0
+        offset = sum(p.numel() for p in parts)
+        layout.append((name, str(flat.dtype).removeprefix("torch."), tuple(tensor.shape), len(buckets), offset))
+        parts.append(flat)
+        size += flat.numel() * flat.element_size()
+    if parts:
+        buckets.append(torch.cat(parts))
+    return layout, buckets
+
+
+def bucket_sums(buckets):
+    """Each bucket's float64 (sum, sum of squares): what the receiver checks."""
+    return [(b.double().sum().item(), b.double().square().sum().item()) for b in buckets]
+
+
+def unpack(layout, buckets):
+    """The (name, tensor) pairs of pack's layout, as views into the buckets."""
+    for name, _, shape, bucket, offset in layout:
+        numel = 1
+        for n in shape:
+            numel *= n
+        yield name, buckets[bucket][offset : offset + numel].view(shape)
