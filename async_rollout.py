@@ -50,11 +50,17 @@ class RolloutsAhead:
     def __init__(self, max_staleness, total_steps):
         self.max_staleness, self.total_steps, self.ready = max_staleness, total_steps, {}
 
-    def take(self, step, generate):
+    def take(self, step, generate, remote=False):
         """Step `step`'s rollout. The engine holds version step - 1: first it generates (generate(j) ->
         StepRollout) the rollouts not held yet of steps up to step + S: the one that version is due for, and
-        after a resume that extends a finished run, those the run's end left unmade."""
+        after a resume that extends a finished run, those the run's end left unmade. remote: the rollout
+        ranks made them, generate(j) receives step j's, with its versions (rollout_ranks.py)."""
         self.ready = {j: ro for j, ro in self.ready.items() if j >= step}  # what earlier steps trained on
+        self.receive = generate if remote else None
+        if remote:
+            if step not in self.ready:
+                self.ready[step] = generate(step)
+            return self.ready[step]
         version = step - 1
         for j in range(step, min(step + self.max_staleness, self.total_steps) + 1):
             if j in self.ready:
@@ -69,7 +75,9 @@ class RolloutsAhead:
     def state(self, done):
         """The rollouts of the steps after `done` that are already generated: every rank's, in global
         order, for a checkpoint after step `done` (a collective)."""
-        steps = range(done + 1, done + 1 + self.max_staleness)
+        steps = range(done + 1, min(done + self.max_staleness, self.total_steps) + 1)
+        for j in steps if getattr(self, "receive", None) else ():  # on their way from the rollout ranks
+            self.ready.setdefault(j, self.receive(j))
         mine = {j: to_plain(self.ready[j]) for j in steps if j in self.ready}
         gathered = all_gather(mine)
         return {str(j): join([part[j] for part in gathered]) for j in sorted(mine)}

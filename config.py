@@ -202,6 +202,9 @@ class Args:
     max_staleness: int = rule(0, ">= 0", lambda v: v >= 0)
     """Train on rollouts up to this many policy updates old (TRL's max_staleness; async_rollout.py): step t trains on
     what version t-1-S generated, with AReaL's decoupled loss (--tis-cap: 2 unless given). 0: synchronous."""
+    rollout_ranks: int = rule(0, ">= 0", lambda v: v >= 0)
+    """The last K torchrun ranks only generate, the others train (rollout_ranks.py); with --max-staleness >= 1
+    both sides work at once. 0: every rank trains and generates in turn."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
@@ -322,8 +325,14 @@ def check_args(args, world=1, cuda=None):
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
         (
-            a.max_staleness == 0 or a.engine_logprobs,
-            "--max-staleness needs the engine's log-probs (the behaviour policy)",
+            a.max_staleness + a.rollout_ranks == 0 or a.engine_logprobs,
+            "--max-staleness, --rollout-ranks need log-probs",
+        ),
+        (a.rollout_ranks < world, f"--rollout-ranks {a.rollout_ranks} leaves no trainer rank (WORLD_SIZE={world})"),
+        (a.rollout_ranks == 0 or a.tensor_parallel_size == 1, "--rollout-ranks: each rollout rank runs a whole engine"),
+        (
+            a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
+            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
         ),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         *[
@@ -356,8 +365,8 @@ def check_args(args, world=1, cuda=None):
             f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --mini-batch-size ({a.mini_batch_size})",
         ),
         (
-            a.mini_batch_size < 1 or a.mini_batch_size % world == 0,
-            f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world})",
+            a.mini_batch_size < 1 or a.mini_batch_size % max(world - a.rollout_ranks, 1) == 0,
+            f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of trainer ranks ({world - a.rollout_ranks})",
         ),
         (
             a.offload == "none" or cuda,

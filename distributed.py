@@ -108,7 +108,8 @@ def stop_requested(device):
 
 
 def print0(*a, **kw):
-    if int(os.environ.get("RANK", 0)) == 0:
+    """Print on rank 0 only (with --rollout-ranks: the trainers' rank 0)."""
+    if int(os.environ.get("RANK", 0)) == 0 and "GRPO_ROLLOUT_SIDE" not in os.environ:
         print(*a, **kw, flush=True)
 
 

@@ -184,11 +184,23 @@ def validate(
 
 def run_validation(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, log, tools):
     """eval.validate on the validation prompts; its samples go to the run's log. Returns the metrics."""
+    how = dict(val_rows=val_rows, tokenizer=tokenizer, reward_fn=reward_fn, eos_ids=eos_ids, args=args, tools=tools)
+    metrics, samples = validate_step(step, engine=engine, rank=rank, world=world, **how)
+    return log_validation(step, metrics, samples, log)
+
+
+def validate_step(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args, rank, world, tools):
+    """The validation after `step` updates with the trainer's flags: (metrics, samples)."""
     engine.wake_up()
     kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
     kw.update(errors=args.reward_errors, where=f"validation at step {step}", tools=tools)
     metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
     engine.sleep()
+    return metrics, samples
+
+
+def log_validation(step, metrics, samples, log):
+    """A validation's samples into the run's log; returns its metrics."""
     log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
     if step == 0:  # once, so the console shows what the prompts and responses look like
         log.write(f"validation samples, step 0:\n{samples_table(samples[:5])}")

@@ -34,6 +34,7 @@ import lora
 import report
 import reward_model
 import rng
+import rollout_ranks
 import run_dir
 import safe_write
 from advantage import compute_advantages
@@ -50,7 +51,7 @@ from distributed import (
     run,
     stop_requested,
 )
-from eval import keep_best, run_validation
+from eval import keep_best, run_validation, validate_step
 from loss import agg_denominator, loss_agg_for, micro_batch_loss
 from memory import check_update_memory
 from models import check_model_path
@@ -113,6 +114,25 @@ def save_checkpoint(
     if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
         trainer_state["rollouts_ahead"] = ahead.state(step)
     checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
+
+
+def check_inputs(args):
+    """Everything named by a flag is checked before the engine loads: a missing directory, weights or
+    tokenizer, or a truncated download is named now, not by vLLM later."""
+    try:
+        check_model_path(args.model)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    from models import check_context_length
+
+    try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
+        check_context_length(args.model, args.max_prompt_length, args.max_response_length)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.lora_rank:
+        lora.check_targets(args.model, args.lora_target_modules)
+    if args.reward_model:  # its directory is checked like the policy's, before anything loads
+        reward_model.check_reward_model(args.reward_model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,7 +199,12 @@ def main():
         from transformers.utils.logging import disable_progress_bar
 
         disable_progress_bar()
-    rank, world, device = init_distributed(args.collective_timeout)
+    placement = None  # --rollout-ranks K: the last K ranks only generate (rollout_ranks.py)
+    if args.rollout_ranks:
+        placement, rank, world, device = rollout_ranks.init(args.rollout_ranks, args.collective_timeout)
+    else:
+        rank, world, device = init_distributed(args.collective_timeout)
+    generates = placement is not None and placement.generates  # a rollout rank: no policy, no run directory
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -190,24 +215,15 @@ def main():
     run_dir.die_with_launcher()  # under torchrun: no orphan worker left writing into the run directory
     dtype, why = compute_dtype(args.dtype, device)  # resolved before the resume check: auto resumes a bf16 run
     args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what the config, checkpoints and export record
-    resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
-
-    # ---------------- model and data: the demo makes its own; everything is checked before the engine loads
-    data_prep.demo_inputs(args, rank)
-    try:  # a missing directory, weights or tokenizer, or a truncated download: named now, not by vLLM later
-        check_model_path(args.model)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--model: {e}") from None
-    from models import check_context_length
-
-    try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
-        check_context_length(args.model, args.max_prompt_length, args.max_response_length)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    if args.lora_rank:
-        lora.check_targets(args.model, args.lora_target_modules)
-    if args.reward_model:  # its directory is checked like the policy's, before anything loads
-        reward_model.check_reward_model(args.reward_model)
+    if generates:  # the trainers' flags, as they resolved them (the demo's paths)
+        args = placement.bridge.recv(0, rollout_ranks.START, "the run's flags")
+    else:
+        resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
+        data_prep.demo_inputs(args, rank)  # the demo makes its own model and data
+        check_inputs(args)
+    if placement and rank == 0 and not generates:
+        for r in range(1, args.rollout_ranks + 1):
+            placement.bridge.send(args, r, rollout_ranks.START)
     config = dataclasses.asdict(args)
     print0(f"compute dtype: {args.dtype} ({why})")
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
@@ -229,16 +245,27 @@ def main():
     train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
-    if resume_from:  # a finished run ends here, before the engine loads
-        run_dir.end_if_finished(resume_from, args, total_steps, rank)
+    if not generates and resume_from:  # a finished run ends here, before the engine loads
+        with rollout_ranks.stopped_if_exiting(placement):
+            run_dir.end_if_finished(resume_from, args, total_steps, rank)
     specs, timeout = reward_specs(args), args.reward_timeout  # --reward-fn runs in a worker process (reward.py)
     reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine = start_engine(args, world, ranks_here, device, dtype)
+    engine = None if placement and not generates else start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
     print0(f"rollout engine: {type(engine).__name__}" + (f", KV cache of {kv:,} tokens" if kv else ""))
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
+    if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py)
+        rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
+        collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world, tokenizer=tokenizer)
+        collect = partial(collect, reward=(reward_fn, rm), eos_ids=eos_ids, device=device, tools=tools)
+        how = dict(val_rows=val_rows, tokenizer=tokenizer, reward_fn=reward_fn, eos_ids=eos_ids, args=args, tools=tools)
+        validate = partial(validate_step, engine=engine, rank=rank, world=world, **how)
+        rollout_ranks.serve(
+            placement, engine, args=args, total_steps=total_steps, collect=collect, validate=validate, rank=rank
+        )
+        return close(engine, tools)
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
@@ -255,7 +282,8 @@ def main():
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     reward = (reward_fn, rm)  # what score_samples needs
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
-    engine.sleep()
+    if engine:
+        engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
     check_update_memory(
@@ -284,30 +312,42 @@ def main():
         tokenizer=tokenizer,
         ahead=ahead,
     )
-    # the new weights into the engine, then a check that it serves them (weight_sync.py)
+    # the new weights into the engine, then a check that it serves them (weight_sync.py); or to the rollout ranks
     sync = partial(sync_and_check, engine, policy, dtype, probe=probe_ids(train_rows), pad_id=pad_id, device=device)
     sync = partial(sync, dtype_name=args.dtype)
+    remote = None
+    if placement:
+        remote = rollout_ranks.Trainers(placement, rank=rank, world=world, args=args, train_rows=train_rows)
+        remote.probe = dict(ids=probe_ids(train_rows), pad_id=pad_id, device=device)
+        sync = partial(remote.send_weights, policy, dtype)
     start_step, history = 0, []
     if resume_from:
         start_step, history, saved_rollouts = resume(
             resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=base_fingerprint
         )
         ahead.load(saved_rollouts, train_rows, rank=rank, world=world, group_size=args.group_size)
+    if remote:  # the rollout ranks start from the step after the rollouts held, with this step's weights
+        remote.start(start_step, first=max(ahead.ready, default=start_step) + 1)
+    if resume_from:
         sync(version=start_step)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
-    validation = partial(  # validation(step) -> metrics
-        run_validation,
-        engine=engine,
-        val_rows=val_rows,
-        tokenizer=tokenizer,
-        reward_fn=reward_fn,
-        eos_ids=eos_ids,
-        args=args,
-        rank=rank,
-        world=world,
-        log=log,
-        tools=tools,
+    validation = (
+        partial(remote.validation, log=log)
+        if remote
+        else partial(  # validation(step) -> metrics
+            run_validation,
+            engine=engine,
+            val_rows=val_rows,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            eos_ids=eos_ids,
+            args=args,
+            rank=rank,
+            world=world,
+            log=log,
+            tools=tools,
+        )
     )
     if args.val_before_train and args.test_freq > 0 and start_step == 0:
         log.log(0, validation(0))
@@ -326,9 +366,13 @@ def main():
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
         # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
-        collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world, tokenizer=tokenizer)
-        collect = partial(collect, reward=reward, eos_ids=eos_ids, timing=timing, device=device, tools=tools)
-        ro = ahead.take(step, collect)
+        if remote:  # made by the rollout ranks: wait for it
+            with timed(timing, "wait_rollout"):
+                ro = ahead.take(step, remote.rollout, remote=True)
+        else:
+            collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world)
+            collect = partial(collect, tokenizer=tokenizer, reward=reward, eos_ids=eos_ids, timing=timing)
+            ro = ahead.take(step, partial(collect, device=device, tools=tools))
         staleness = staleness_metrics(ro.versions, step, args.max_staleness)  # raises if any sample is too old
         checkpoint.crash_point("rollout", step)
         asked = stop_requested(device)
@@ -394,8 +438,10 @@ def main():
             device=device,
         )
         metrics["training/epoch"] = epoch
-        if args.max_staleness:
-            metrics.update(staleness, **{"rollout/weight_sync_gap": sync_gap})
+        if remote:  # the rollout ranks' own times, overlapped with this step's; and their probe's gap
+            metrics.update({f"timing_s/{k}": v for k, v in ro.timing.items()})
+        if args.max_staleness or remote:
+            metrics.update(staleness, **{"rollout/weight_sync_gap": ro.weight_sync_gap if remote else sync_gap})
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
@@ -442,11 +488,7 @@ def main():
         log.close()
         if rank == 0 and done > 0:
             report.write_report(args.out_dir)
-        engine.close()
-        if tools:
-            tools.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close(engine, tools, remote, done < total_steps)
         record_root_cause(message)
         print0(message)
         sys.exit(128 + asked)  # the shell's convention for "ended by this signal": 143 for SIGTERM
@@ -467,9 +509,18 @@ def main():
         path, verdicts = report.write_report(args.out_dir)
         counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
         print0(f"health report: {path}: {verdicts['overall']} ({counts})")
-    engine.close()  # before destroy_process_group, or vLLM's shutdown fails
+    close(engine, tools, remote, done < total_steps)
+
+
+def close(engine, tools, remote=None, early=False):
+    """Free the engine (before destroy_process_group, or vLLM's shutdown fails) and the tool worker;
+    tell the rollout ranks the run ended `early`, or wait until they took the last weights."""
+    if engine:
+        engine.close()
     if tools:
         tools.close()
+    if remote:
+        remote.close(early)
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
         dist.destroy_process_group()
 

@@ -1,0 +1,268 @@
+"""--rollout-ranks K: the last K torchrun ranks only generate, the others only train, so that
+generation and the update run at the same time on different devices (verl's one-step-off-policy
+placement, AReaL's). With --max-staleness S >= 1 the rollout ranks generate step t + 1 while the
+trainers train step t; with S = 0 the two sides take turns.
+
+Of W ranks, 0..N-1 (N = W - K) train and N..W-1 generate. Each side has a torch.distributed world of
+its own (init), so the trainers run FSDP2, metrics and checkpoints as N ranks would without rollout
+ranks, and the rollout ranks run their engines as K colocated ranks would. Trainer rank 0 and the
+rollout ranks also share the bridge, a gloo group, which carries (each a pickled message between
+our own processes; nothing here is read from disk):
+    START       trainer 0 -> rollout ranks: the run's resolved flags, then where to start
+    WEIGHTS     trainer 0 -> rollout ranks: version v after each update, in buckets (weight_sync.py),
+                sent without waiting for the rollout ranks to take them
+    ROLLOUT     rollout rank -> trainer 0: its share of step j's rollout, as soon as it is made
+    VALIDATION  rollout rank 0 -> trainer 0: the validation of version v, when one is due
+The schedule is async_rollout's: step j's rollout by version j - 1 - S. A wait longer than
+--collective-timeout is an error that names what was awaited, never a hang.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from async_rollout import from_plain, generation_version, join, to_plain
+from weight_sync import WeightSyncError, bucket_sums, check_engine, pack, trainer_probe, unpack
+
+START, WEIGHTS, ROLLOUT, VALIDATION = 1, 2, 3, 4  # the bridge's message tags
+STOP = "stop"  # sent instead of weights when the trainers stop early
+
+
+class Bridge:
+    """Messages between trainer rank 0 (bridge rank 0) and rollout rank i (bridge rank i + 1). Sends
+    return at once; their buffers are kept until flush()."""
+
+    def __init__(self, group, timeout):
+        self.group, self.timeout, self.pending = group, datetime.timedelta(seconds=timeout), []
+        self.last_gap = None  # a rollout rank's: the weight check's probe gap, of the version it holds
+
+    def send_tensor(self, tensor, dst, tag):
+        self.pending.append((self.group.send([tensor], dst, tag), tensor))
+
+    def send(self, obj, dst, tag):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send_tensor(torch.tensor([data.numel()]), dst, tag)
+        self.send_tensor(data, dst, tag)
+
+    def recv_tensor(self, tensor, src, tag, what):
+        try:
+            self.group.recv([tensor], src, tag).wait(self.timeout)
+        except RuntimeError as e:
+            side = "trainer rank 0" if src == 0 else f"rollout rank {src - 1}"
+            raise RuntimeError(f"waited for {what} from {side}: {e} (--collective-timeout)") from None
+        return tensor
+
+    def recv(self, src, tag, what):
+        size = self.recv_tensor(torch.zeros(1, dtype=torch.int64), src, tag, what)
+        return pickle.loads(self.recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8), src, tag, what).numpy())
+
+    def flush(self):
+        """Wait until every message sent has been taken."""
+        for work, _ in self.pending:
+            work.wait(self.timeout)
+        self.pending = []
+
+
+@dataclasses.dataclass
+class Placement:
+    rank: int  # among all W ranks
+    trainers: int  # N
+    rollout_ranks: int  # K
+    bridge: Bridge | None  # trainer rank 0 and the rollout ranks only
+
+    @property
+    def generates(self):
+        return self.rank >= self.trainers
+
+
+def init(rollout_ranks, timeout):
+    """Join this rank's side; returns (Placement, its rank and world size within its side, its device)."""
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
+    trainers, wait = world - rollout_ranks, datetime.timedelta(seconds=timeout)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    side, side_rank, side_world = (
+        ("trainers", rank, trainers) if rank < trainers else ("rollout", rank - trainers, rollout_ranks)
+    )
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(side, store), rank=side_rank, world_size=side_world, timeout=wait
+    )
+    if side == "rollout":  # vLLM's external launcher reads these; print0 stays quiet on this side
+        os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_world), GRPO_ROLLOUT_SIDE="1")
+    bridge = None
+    if rank == 0 or side == "rollout":
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore("bridge", store), side_rank + (side == "rollout"), rollout_ranks + 1, wait
+        )
+        bridge = Bridge(group, timeout)
+    return Placement(rank, trainers, rollout_ranks, bridge), side_rank, side_world, device
+
+
+def validation_due(version, args, total_steps, start):
+    """Whether the trainer validates after `version` updates (step 0: before training, on a fresh start)."""
+    if args.test_freq <= 0:
+        return False
+    if version == 0:
+        return args.val_before_train and start == 0
+    return version % args.test_freq == 0 or version == total_steps
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout side
+
+
+def serve(placement, engine, *, args, total_steps, collect, validate, rank):
+    """A rollout rank's whole run: take each version of the weights as it comes, generate every step's
+    share of the rollout as soon as the version it is due from is held, validate when due."""
+    bridge, S = placement.bridge, args.max_staleness
+    start = bridge.recv(0, START, "where to start")  # after the trainers resumed
+    if start == STOP:  # the run had already finished
+        return
+    version, probe = start["step"], start["probe"]
+    if version:  # resumed: the checkpoint's weights first
+        take_weights(bridge, engine, version, probe, args)
+    if validation_due(version, args, total_steps, start["step"]):
+        send_validation(bridge, validate(version), rank)
+    for j in range(start["first"], total_steps + 1):
+        while version < generation_version(j, S):
+            version += 1
+            if take_weights(bridge, engine, version, probe, args) == STOP:
+                return
+            if validation_due(version, args, total_steps, start["step"]):
+                send_validation(bridge, validate(version), rank)
+        timing = {}
+        ro = collect(j, timing=timing)
+        ro.versions = [version] * len(ro.response_ids)
+        bridge.send(to_plain(ro) | {"weight_sync_gap": bridge.last_gap, "timing": timing}, 0, ROLLOUT)
+    while version < total_steps:  # the last versions: none generates, validation may be due
+        version += 1
+        if take_weights(bridge, engine, version, probe, args) == STOP:
+            return
+        if validation_due(version, args, total_steps, start["step"]):
+            send_validation(bridge, validate(version), rank)
+    bridge.flush()
+
+
+def send_validation(bridge, result, rank):
+    if rank == 0:  # the metrics are already every rollout rank's
+        bridge.send(result, 0, VALIDATION)
+
+
+def take_weights(bridge, engine, version, probe, args):
+    """Receive version `version` (or STOP), check each bucket's sums, load it, check the engine serves it."""
+    header = bridge.recv(0, WEIGHTS, f"policy version {version}")
+    if header == STOP:
+        return STOP
+    if header["version"] != version:
+        raise WeightSyncError(f"expected policy version {version}, the trainer sent version {header['version']}")
+    buckets = []
+    for i, (dtype, numel) in enumerate(header["buckets"]):
+        what = f"bucket {i + 1} of {len(header['buckets'])} of policy version {version}"
+        buckets.append(bridge.recv_tensor(torch.empty(numel, dtype=getattr(torch, dtype)), 0, WEIGHTS, what))
+    for i, (got, sent) in enumerate(zip(bucket_sums(buckets), header["sums"])):
+        if got != sent:
+            raise WeightSyncError(
+                f"policy version {version}: bucket {i + 1} arrived with sums {got}, was sent with {sent}"
+            )
+    engine.wake_up()
+    engine.update_weights(unpack(header["layout"], buckets))
+    bridge.last_gap = check_engine(engine, probe, header["probe"], version=version, dtype=args.dtype)
+    engine.sleep()
+    return version
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer side
+
+
+class Trainers:
+    """What the trainers do with the rollout ranks: start them, receive rollouts and validations,
+    send weights. Every trainer rank calls each method (they are collectives among the trainers);
+    only trainer rank 0 talks to the rollout ranks."""
+
+    def __init__(self, placement, *, rank, world, args, train_rows):
+        self.placement, self.bridge, self.rank, self.world = placement, placement.bridge, rank, world
+        self.args, self.train_rows, self.receivers = args, train_rows, range(1, placement.rollout_ranks + 1)
+        self.probe = None  # weight_sync's probe: dict(ids, pad_id, device)
+
+    def broadcast(self, obj):
+        """Trainer rank 0's `obj`, on every trainer rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def start(self, step, first):
+        """Tell the rollout ranks to start after `step` (its weights follow if step > 0), generating from step `first`."""
+        if self.rank == 0:
+            for r in self.receivers:
+                self.bridge.send(dict(step=step, first=first, probe=self.probe["ids"]), r, START)
+
+    def rollout(self, step):
+        """Step `step`'s rollout: this trainer rank's share of it (StepRollout), and the probe gap of its version."""
+        plain = None
+        if self.rank == 0:
+            parts = [self.bridge.recv(r, ROLLOUT, f"step {step}'s rollout") for r in self.receivers]
+            plain = join(parts) | {"weight_sync_gap": max(p["weight_sync_gap"] or 0.0 for p in parts)}
+            plain["timing"] = {k: max(p["timing"][k] for p in parts) for k in parts[0]["timing"]}  # the slowest's
+        plain = self.broadcast(plain)
+        local = self.args.prompt_batch_size // self.world
+        ro = from_plain(plain, self.train_rows, slice(self.rank * local, (self.rank + 1) * local), self.args.group_size)
+        ro.weight_sync_gap, ro.timing = plain["weight_sync_gap"], plain["timing"]
+        return ro
+
+    def send_weights(self, policy, dtype, version):
+        """Version `version` of the weights (with LoRA, merged) to every rollout rank, in buckets, with the
+        probe's log-probs under it for their check (a collective among the trainers: the tensors are gathered)."""
+        from policy import full_parameters
+
+        expected = trainer_probe(policy, **self.probe)
+        tensors = full_parameters(policy, dtype)
+        if self.rank != 0:
+            for _ in tensors:  # each is a collective
+                pass
+            return
+        layout, buckets = pack(tensors)
+        self.bridge.flush()  # the previous version's buffers are free once every rollout rank took it
+        header = dict(version=version, layout=layout, probe=expected, sums=bucket_sums(buckets))
+        header["buckets"] = [(str(b.dtype).removeprefix("torch."), b.numel()) for b in buckets]
+        for r in self.receivers:
+            self.bridge.send(header, r, WEIGHTS)
+            for b in buckets:
+                self.bridge.send_tensor(b, r, WEIGHTS)
+
+    def validation(self, step, log):
+        """The rollout ranks' validation of version `step`: its metrics (its samples go to the run's log)."""
+        result = self.bridge.recv(1, VALIDATION, f"the validation of policy version {step}") if self.rank == 0 else None
+        from eval import log_validation
+
+        return log_validation(step, *self.broadcast(result), log)
+
+    def close(self, early):
+        """The end of the run: tell the rollout ranks no more weights come if it ended `early` (an early
+        stop, SIGTERM), then wait until they took everything sent."""
+        if self.rank == 0:
+            for r in self.receivers if early else ():
+                self.bridge.send(STOP, r, WEIGHTS)
+            self.bridge.flush()
+
+
+@contextlib.contextmanager
+def stopped_if_exiting(placement):
+    """Trainer rank 0 tells the rollout ranks to stop (before they start) if the block exits the process."""
+    try:
+        yield
+    except SystemExit:
+        if placement and placement.rank == 0:
+            for r in range(1, placement.rollout_ranks + 1):
+                placement.bridge.send(STOP, r, START)
+            placement.bridge.flush()
+        raise
