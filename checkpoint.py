@@ -14,6 +14,7 @@ checkpoint holds only what trains; the base comes from --model again. Why loadin
 integrity.py, export to Hugging Face format in export.py, the run directory's rules in run_dir.py.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import integrity
 import lora
 import rng
 import safe_write
+from config import allowed_changes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -436,3 +438,35 @@ def load(path, model, optimizer, config):
             flush=True,
         )
     return state
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's whole state: what train_grpo saves and resumes
+
+
+def resume_run(path, policy, optimizer, scheduler, *, args, base_fingerprint=None):
+    """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
+    history, the rollouts it holds for later steps). LoRA adapters on another base model are refused."""
+    state = load(path, policy, optimizer, dataclasses.asdict(args))
+    lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
+    scheduler.load_state_dict(state["scheduler"])
+    step, history = state["step"], state["metrics"]
+    if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
+        scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
+            group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
+    return step, history, state.get("rollouts_ahead", {})
+
+
+def save_run(
+    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, ahead
+):
+    """Everything needed to continue this run exactly from after `step` (Checkpointer)."""
+    epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
+    trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
+    trainer_state["base_fingerprint"] = fingerprint
+    if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
+        trainer_state["rollouts_ahead"] = ahead.state(step)
+    checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)

@@ -21,6 +21,7 @@ import health
 from advantage import ADV_ESTIMATORS
 from loss import AGG_MODES, KL_KINDS, LOSS_MODES
 from reward import reward_rules
+from rollout_ranks import placement_rules
 
 
 def rule(default, must_be, ok, loss_mode=None):
@@ -324,16 +325,7 @@ def check_args(args, world=1, cuda=None):
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
-        (
-            a.max_staleness + a.rollout_ranks == 0 or a.engine_logprobs,
-            "--max-staleness, --rollout-ranks need log-probs",
-        ),
-        (a.rollout_ranks < world, f"--rollout-ranks {a.rollout_ranks} leaves no trainer rank (WORLD_SIZE={world})"),
-        (a.rollout_ranks == 0 or a.tensor_parallel_size == 1, "--rollout-ranks: each rollout rank runs a whole engine"),
-        (
-            a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
-            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
-        ),
+        *placement_rules(a, world),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         *[
             (
@@ -485,10 +477,8 @@ def parse_args(argv=None):
                 setattr(args, key, value)
     if args.grad_checkpointing and "share_prompts" not in given_flags(argv):  # checkpointed layers drop the KV cache
         args.share_prompts = False
-    if args.max_staleness and "tis_cap" not in given_flags(
-        argv
-    ):  # the decoupled loss's cap, verl's rollout_is_threshold
-        args.tis_cap = 2.0
+    if args.max_staleness and "tis_cap" not in given_flags(argv):  # the decoupled loss's cap
+        args.tis_cap = 2.0  # verl's rollout_is_threshold
     problems = check_args(args, world=int(os.environ.get("WORLD_SIZE", 1)))  # torchrun sets WORLD_SIZE
     if problems:
         parser.error("\n  ".join(problems))

@@ -178,6 +178,9 @@ class StepRollout:
     turns: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: multi_turn.Turns
     indices: list = dataclasses.field(default_factory=list)  # [B] each prompt's row in the training data
     versions: list = dataclasses.field(default_factory=list)  # [B*n] the policy version that generated each
+    # --rollout-ranks (rollout_ranks.py): the rollout ranks' times making it; the probe gap of their last weight check
+    timing: dict = dataclasses.field(default_factory=dict)
+    weight_sync_gap: float | None = None
 
 
 def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):

@@ -107,12 +107,28 @@ def init(rollout_ranks, timeout):
     return Placement(rank, trainers, rollout_ranks, bridge), side_rank, side_world, device
 
 
-def validation_due(version, args, total_steps, start):
-    """Whether the trainer validates after `version` updates (step 0: before training, on a fresh start)."""
+def placement_rules(a, world):
+    """config.check_args' rules for --max-staleness and --rollout-ranks, with `world` ranks in all."""
+    return [
+        (
+            a.max_staleness + a.rollout_ranks == 0 or a.engine_logprobs,
+            "--max-staleness and --rollout-ranks need the engine's log-probs: drop --no-engine-logprobs",
+        ),
+        (a.rollout_ranks < world, f"--rollout-ranks {a.rollout_ranks} leaves no trainer rank (WORLD_SIZE={world})"),
+        (a.rollout_ranks == 0 or a.tensor_parallel_size == 1, "--rollout-ranks: each rollout rank runs a whole engine"),
+        (
+            a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
+            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
+        ),
+    ]
+
+
+def validation_due(version, args, total_steps, fresh):
+    """Whether the trainer validates after `version` updates (0: before training, in a fresh run)."""
     if args.test_freq <= 0:
         return False
     if version == 0:
-        return args.val_before_train and start == 0
+        return args.val_before_train and fresh
     return version % args.test_freq == 0 or version == total_steps
 
 
@@ -127,28 +143,32 @@ def serve(placement, engine, *, args, total_steps, collect, validate, rank):
     start = bridge.recv(0, START, "where to start")  # after the trainers resumed
     if start == STOP:  # the run had already finished
         return
-    version, probe = start["step"], start["probe"]
-    if version:  # resumed: the checkpoint's weights first
+    version, probe, fresh = start["step"], start["probe"], start["step"] == 0
+
+    def advance():  # take the next version; validate it when the trainers do. False: they stopped
+        nonlocal version
+        version += 1
+        if take_weights(bridge, engine, version, probe, args) == STOP:
+            return False
+        if validation_due(version, args, total_steps, fresh):
+            send_validation(bridge, validate(version), rank)
+        return True
+
+    if fresh and validation_due(0, args, total_steps, fresh):
+        send_validation(bridge, validate(0), rank)
+    if not fresh:  # resumed: the checkpoint's weights first (validated before it was saved)
         take_weights(bridge, engine, version, probe, args)
-    if validation_due(version, args, total_steps, start["step"]):
-        send_validation(bridge, validate(version), rank)
     for j in range(start["first"], total_steps + 1):
         while version < generation_version(j, S):
-            version += 1
-            if take_weights(bridge, engine, version, probe, args) == STOP:
+            if not advance():
                 return
-            if validation_due(version, args, total_steps, start["step"]):
-                send_validation(bridge, validate(version), rank)
         timing = {}
         ro = collect(j, timing=timing)
         ro.versions = [version] * len(ro.response_ids)
         bridge.send(to_plain(ro) | {"weight_sync_gap": bridge.last_gap, "timing": timing}, 0, ROLLOUT)
     while version < total_steps:  # the last versions: none generates, validation may be due
-        version += 1
-        if take_weights(bridge, engine, version, probe, args) == STOP:
+        if not advance():
             return
-        if validation_due(version, args, total_steps, start["step"]):
-            send_validation(bridge, validate(version), rank)
     bridge.flush()
 
 
@@ -174,7 +194,8 @@ def take_weights(bridge, engine, version, probe, args):
                 f"policy version {version}: bucket {i + 1} arrived with sums {got}, was sent with {sent}"
             )
     engine.wake_up()
-    engine.update_weights(unpack(header["layout"], buckets))
+    if os.environ.get("GRPO_FAULT") != f"skip_weights:{version}":  # the weight-sync test's fault: a load lost
+        engine.update_weights(unpack(header["layout"], buckets))
     bridge.last_gap = check_engine(engine, probe, header["probe"], version=version, dtype=args.dtype)
     engine.sleep()
     return version
@@ -211,7 +232,8 @@ class Trainers:
         plain = None
         if self.rank == 0:
             parts = [self.bridge.recv(r, ROLLOUT, f"step {step}'s rollout") for r in self.receivers]
-            plain = join(parts) | {"weight_sync_gap": max(p["weight_sync_gap"] or 0.0 for p in parts)}
+            gaps = [p["weight_sync_gap"] for p in parts if p["weight_sync_gap"] is not None]  # none before a sync
+            plain = join(parts) | {"weight_sync_gap": max(gaps) if gaps else None}
             plain["timing"] = {k: max(p["timing"][k] for p in parts) for k in parts[0]["timing"]}  # the slowest's
         plain = self.broadcast(plain)
         local = self.args.prompt_batch_size // self.world

@@ -39,7 +39,7 @@ import run_dir
 import safe_write
 from advantage import compute_advantages
 from async_rollout import RolloutsAhead, staleness_metrics
-from config import allowed_changes, loggers, parse_args
+from config import loggers, parse_args
 from distributed import (
     all_sum,
     all_sum_tensor,
@@ -86,34 +86,6 @@ def lr_factor(step, args, total_steps):
         progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
         return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return 1.0
-
-
-def resume(path, policy, optimizer, scheduler, *, args, base_fingerprint=None):
-    """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history, the rollouts it holds for later steps). LoRA adapters on another base model are refused."""
-    state = checkpoint.load(path, policy, optimizer, dataclasses.asdict(args))
-    lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
-    scheduler.load_state_dict(state["scheduler"])
-    step, history = state["step"], state["metrics"]
-    if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
-        scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
-        for group in optimizer.param_groups:
-            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
-            group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
-    return step, history, state.get("rollouts_ahead", {})
-
-
-def save_checkpoint(
-    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, ahead
-):
-    """Everything needed to continue this run exactly from after `step` (checkpoint.Checkpointer)."""
-    epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
-    trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
-    trainer_state["base_fingerprint"] = fingerprint
-    if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
-        trainer_state["rollouts_ahead"] = ahead.state(step)
-    checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
 
 
 def check_inputs(args):
@@ -254,7 +226,10 @@ def main():
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine = None if placement and not generates else start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
-    print0(f"rollout engine: {type(engine).__name__}" + (f", KV cache of {kv:,} tokens" if kv else ""))
+    print0(
+        f"rollout engine: {type(engine).__name__ if engine else 'on the rollout ranks'}"
+        + (f", KV cache of {kv:,} tokens" if kv else "")
+    )
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py)
         rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
@@ -269,16 +244,8 @@ def main():
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
-    policy, reference = load_policy(
-        args.model,
-        mesh,
-        device,
-        dtype,
-        args.grad_checkpointing,
-        args.kl_coef > 0,
-        lora_args,
-        args.offload in ("params", "both"),
-    )
+    how = dict(grad_checkpointing=args.grad_checkpointing, reference=args.kl_coef > 0, lora_args=lora_args)
+    policy, reference = load_policy(args.model, mesh, device, dtype, offload=args.offload in ("params", "both"), **how)
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     reward = (reward_fn, rm)  # what score_samples needs
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
@@ -298,20 +265,10 @@ def main():
     checkpointer, ahead = None, RolloutsAhead(args.max_staleness, total_steps)  # --max-staleness: made in advance
     if args.save_freq > 0:
         checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save)
-    save = partial(  # save(step): everything needed to continue this run exactly from after `step`
-        save_checkpoint,
-        checkpointer,
-        args=args,
-        train_rows=train_rows,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        config=config,
-        log=log,
-        fingerprint=base_fingerprint,
-        tokenizer=tokenizer,
-        ahead=ahead,
-    )
+    # save(step): everything needed to continue this run exactly from after `step`
+    save = partial(checkpoint.save_run, checkpointer, args=args, train_rows=train_rows, policy=policy, config=config)
+    save = partial(save, optimizer=optimizer, scheduler=scheduler, log=log, tokenizer=tokenizer, ahead=ahead)
+    save = partial(save, fingerprint=base_fingerprint)
     # the new weights into the engine, then a check that it serves them (weight_sync.py); or to the rollout ranks
     sync = partial(sync_and_check, engine, policy, dtype, probe=probe_ids(train_rows), pad_id=pad_id, device=device)
     sync = partial(sync, dtype_name=args.dtype)
@@ -322,7 +279,7 @@ def main():
         sync = partial(remote.send_weights, policy, dtype)
     start_step, history = 0, []
     if resume_from:
-        start_step, history, saved_rollouts = resume(
+        start_step, history, saved_rollouts = checkpoint.resume_run(
             resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=base_fingerprint
         )
         ahead.load(saved_rollouts, train_rows, rank=rank, world=world, group_size=args.group_size)
@@ -441,7 +398,8 @@ def main():
         if remote:  # the rollout ranks' own times, overlapped with this step's; and their probe's gap
             metrics.update({f"timing_s/{k}": v for k, v in ro.timing.items()})
         if args.max_staleness or remote:
-            metrics.update(staleness, **{"rollout/weight_sync_gap": ro.weight_sync_gap if remote else sync_gap})
+            gap = ro.weight_sync_gap if remote else sync_gap  # None: a rollout from the checkpoint
+            metrics.update(staleness, **({"rollout/weight_sync_gap": gap} if gap is not None else {}))
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
