@@ -358,7 +358,8 @@ def check_args(args, world=1, cuda=None):
         ),
         (
             a.mini_batch_size < 1 or a.mini_batch_size % max(world - a.rollout_ranks, 1) == 0,
-            f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of trainer ranks ({world - a.rollout_ranks})",
+            f"--mini-batch-size ({a.mini_batch_size}) must be a multiple of the number of ranks (WORLD_SIZE={world}"
+            + (f" less --rollout-ranks {a.rollout_ranks})" if a.rollout_ranks else ")"),
         ),
         (
             a.offload == "none" or cuda,

@@ -1,20 +1,15 @@
-"""--rollout-ranks K: the last K torchrun ranks only generate, the others only train, so that
-generation and the update run at the same time on different devices (verl's one-step-off-policy
-placement, AReaL's). With --max-staleness S >= 1 the rollout ranks generate step t + 1 while the
-trainers train step t; with S = 0 the two sides take turns.
+"""--rollout-ranks K: the last K torchrun ranks only generate, the others only train, so generation and the
+update can run at the same time on different devices (verl's one-step-off-policy placement). With
+--max-staleness S >= 1 the rollout ranks generate step t + 1 while the trainers train step t.
 
-Of W ranks, 0..N-1 (N = W - K) train and N..W-1 generate. Each side has a torch.distributed world of
-its own (init), so the trainers run FSDP2, metrics and checkpoints as N ranks would without rollout
-ranks, and the rollout ranks run their engines as K colocated ranks would. Trainer rank 0 and the
-rollout ranks also share the bridge, a gloo group, which carries (each a pickled message between
-our own processes; nothing here is read from disk):
-    START       trainer 0 -> rollout ranks: the run's resolved flags, then where to start
-    WEIGHTS     trainer 0 -> rollout ranks: version v after each update, in buckets (weight_sync.py),
-                sent without waiting for the rollout ranks to take them
-    ROLLOUT     rollout rank -> trainer 0: its share of step j's rollout, as soon as it is made
-    VALIDATION  rollout rank 0 -> trainer 0: the validation of version v, when one is due
-The schedule is async_rollout's: step j's rollout by version j - 1 - S. A wait longer than
---collective-timeout is an error that names what was awaited, never a hang.
+Each side has a torch.distributed world of its own (init): the N = W - K trainers run FSDP2, metrics and
+checkpoints as N ranks would alone; the rollout ranks run engines as K colocated ranks would. Trainer
+rank 0 and the rollout ranks share the bridge, a gloo group of pickled messages between our own
+processes: START (the flags, where to start), WEIGHTS (version v after each update, in buckets:
+weight_sync.py; sent without waiting for the rollout ranks to take it), ROLLOUT (a rollout rank's share
+of step j, as soon as it is made), VALIDATION (of version v, when one is due). Step j's rollout comes from
+version j - 1 - S (async_rollout.py). Waiting longer than --collective-timeout is an error naming what
+was awaited, never a hang.
 """
 
 import contextlib

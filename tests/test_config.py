@@ -164,6 +164,12 @@ BAD = [
         ["--share-prompts", "--grad-checkpointing"],
         "--share-prompts needs the KV cache, which --grad-checkpointing drops",
     ),
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    (
+        ["--max-staleness", "1", "--no-engine-logprobs"],
+        "--max-staleness and --rollout-ranks need the engine's log-probs",
+    ),
+    (["--rollout-ranks", "1"], "--rollout-ranks 1 leaves no trainer rank (WORLD_SIZE=1)"),
     (["--offload", "gpu"], "invalid choice: 'gpu'"),
     # the suite runs on CPUs: there, every offload is refused (tests/test_offload.py: with a GPU)
     (["--offload", "params"], "--offload params: it moves GPU memory to the CPU, and this machine has no CUDA GPU"),
