@@ -81,7 +81,7 @@ def init(rollout_ranks, timeout):
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
     trainers, wait = world - rollout_ranks, datetime.timedelta(seconds=timeout)
     cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if cuda else "cpu")  # sides may share one
     if cuda:
         torch.cuda.set_device(device)
     side, side_rank, side_world = (

@@ -221,15 +221,14 @@ def main():
         with rollout_ranks.stopped_if_exiting(placement):
             run_dir.end_if_finished(resume_from, args, total_steps, rank)
     specs, timeout = reward_specs(args), args.reward_timeout  # --reward-fn runs in a worker process (reward.py)
-    reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs else compute_score
+    scores = placement is None or generates  # with --rollout-ranks, only they score
+    reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs and scores else compute_score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine = None if placement and not generates else start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
-    print0(
-        f"rollout engine: {type(engine).__name__ if engine else 'on the rollout ranks'}"
-        + (f", KV cache of {kv:,} tokens" if kv else "")
-    )
+    what = type(engine).__name__ if engine else f"on the {args.rollout_ranks} rollout ranks"
+    print0(f"rollout engine: {what}" + (f", KV cache of {kv:,} tokens" if kv else ""))
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py)
         rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
