@@ -3,21 +3,14 @@ and its prediction for K rollout GPUs against N trainer GPUs.
 
     python benchmarks/async_model.py      # reads runs/bench_async/results.json and docs/async/gpu.json
 
-A step generates B samples (answers of L_mean tokens on average, L_max at most), trains on them and
-syncs the weights. The model, on D devices:
-  generation  T_gen(m) = c0 * L_max + c1 * m * L_mean  for m samples on one device. c0 is a decode
-              iteration's fixed cost: the engine iterates until the longest answer is done. c1 is the
-              cost of one more sample's token. A GPU's decode is mostly c0, a CPU's mostly c1.
-  update      T_upd(D) = U1 / D + h (D > 1): U1 the whole batch's update on one device, h the
-              data-parallel overhead per step (FSDP's collectives).
-  weights     w (into a colocated engine), w_send (to the rollout ranks).
-Synchronous on G devices:                    T_gen(B / G) + T_upd(G) + w
-K rollout and N = G - K trainer devices, staleness >= 1, in steady state:  max(T_gen(B / K), T_upd(N) + w_send)
-
-The CPU check: the per-phase times of a shape's synchronous run (2 ranks) plus c1, h and w_send from
-the other shape predict the shape's asynchronous run (1 rollout + 1 trainer rank). The GPU prediction:
-c0, c1, U1 per token and w from one H200 (async_gpu.py), h = 0, and the length tail of the CPU's
-GSM8K run: it prints the speedup of K rollout GPUs against G = K + N synchronous ones.
+A step generates B samples (answers of L_mean tokens on average, L_max at most), trains, syncs weights.
+Generation of m samples on one device: T_gen(m) = c0 * L_max + c1 * m * L_mean (c0: a decode
+iteration's fixed cost, a GPU's decode is mostly that; c1: one more sample's token, a CPU's decode is
+mostly that). Update on D devices: U1 / D + h (h: the data-parallel overhead, D > 1). Weights: w.
+Synchronous on G devices: T_gen(B / G) + U1 / G + h + w. K rollout and N = G - K trainer devices at
+staleness >= 1, in steady state: max(T_gen(B / K), U1 / N + h + w_send).
+CPU check: each shape's async step from its sync run's phases and the other shape's c1, h, w_send.
+GPU: c0, c1, U1 per token and w from one H200 (async_gpu.py), h = 0, GSM8K's measured length tail.
 """
 
 import argparse

@@ -11,9 +11,8 @@ prepares them):
 Systems, each a fresh `torchrun --nproc_per_node=2 train_grpo.py`, the same prompts and seeds:
   sync   both ranks generate, then both train (--max-staleness 0): today's loop
   async  rank 1 only generates, rank 0 only trains, one step off-policy (--rollout-ranks 1 --max-staleness 1)
-A step's time is its wall time on trainer rank 0 (timing_s/step); the first --warmup steps are left out.
-In async, timing_s/gen is the rollout rank's, overlapped with the trainer's step, and wait_rollout is
-the trainer's time waiting for it. The JSON (--out) holds every step, for async_model.py.
+A step is trainer rank 0's wall time (timing_s/step), the first --warmup left out. In async, gen is the
+rollout rank's (overlapped) and wait_rollout the trainer's wait for it. --out: every step, as JSON.
 """
 
 import argparse
