@@ -49,6 +49,7 @@ class RolloutsAhead:
 
     def __init__(self, max_staleness, total_steps):
         self.max_staleness, self.total_steps, self.ready = max_staleness, total_steps, {}
+        self.receive = None  # with rollout ranks: receive(j) -> step j's rollout, from them
 
     def take(self, step, generate, remote=False):
         """Step `step`'s rollout. The engine holds version step - 1: first it generates (generate(j) ->
@@ -76,7 +77,7 @@ class RolloutsAhead:
         """The rollouts of the steps after `done` that are already generated: every rank's, in global
         order, for a checkpoint after step `done` (a collective)."""
         steps = range(done + 1, min(done + self.max_staleness, self.total_steps) + 1)
-        for j in steps if getattr(self, "receive", None) else ():  # on their way from the rollout ranks
+        for j in steps if self.receive else ():  # on their way from the rollout ranks
             self.ready.setdefault(j, self.receive(j))
         mine = {j: to_plain(self.ready[j]) for j in steps if j in self.ready}
         gathered = all_gather(mine)

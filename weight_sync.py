@@ -1,6 +1,6 @@
 """The trainer's weights into a rollout engine, and the check that the engine then serves them.
 
-Colocated (every rank its own engine, the default): sync_weights copies them in, one full parameter
+Colocated (every rank its own engine, the default): sync_and_check copies them in, one full parameter
 at a time. With --rollout-ranks, trainer rank 0 sends them to the rollout ranks (rollout_ranks.py)
 packed into buckets of about BUCKET_MB each (pack / unpack), after a header naming each tensor's place
 and each bucket's float64 sum and sum of squares, which the receiver checks. With LoRA both send the
@@ -13,6 +13,8 @@ and raises WeightSyncError naming the version. Two implementations of the same w
 about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM against transformers), so in bf16 only a
 gross fault shows.
 """
+
+import math
 
 import torch
 
@@ -54,18 +56,12 @@ def check_engine(engine, ids, expected, *, version, dtype):
     return gap
 
 
-def sync_weights(engine, policy, dtype):
-    """Copy the policy's weights into the engine, one full parameter at a time."""
-    engine.wake_up()
-    engine.update_weights(full_parameters(policy, dtype))
-    engine.sleep()
-
-
 def sync_and_check(engine, policy, dtype, *, probe, pad_id, device, version, dtype_name):
-    """sync_weights, then check_engine; returns the probe's gap."""
-    expected = trainer_probe(policy, probe, pad_id, device)
-    sync_weights(engine, policy, dtype)
-    engine.wake_up()
+    """Copy the policy's weights (with LoRA, merged) into the engine one full parameter at a time, then
+    check_engine; returns the probe's gap."""
+    expected = trainer_probe(policy, probe, pad_id, device)  # before waking the engine: its GPU memory is free
+    engine.wake_up()  # once for both: on CUDA each wake-up copies the engine's weights back in
+    engine.update_weights(full_parameters(policy, dtype))
     gap = check_engine(engine, probe, expected, version=version, dtype=dtype_name)
     engine.sleep()
     return gap
@@ -100,7 +96,4 @@ def bucket_sums(buckets):
 def unpack(layout, buckets):
     """The (name, tensor) pairs of pack's layout, as views into the buckets."""
     for name, _, shape, bucket, offset in layout:
-        numel = 1
-        for n in shape:
-            numel *= n
-        yield name, buckets[bucket][offset : offset + numel].view(shape)
+        yield name, buckets[bucket][offset : offset + math.prod(shape)].view(shape)
