@@ -85,6 +85,25 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp_path):
+    """--rollout-ranks 1 --max-staleness 1: the trainer saves the step it finished with the rollout already
+    made for the next one, tells the rollout rank to stop, and both exit; the same command finishes.
+    12 steps: a SIGTERM after step 2 cannot land on the last one, which would just finish the run."""
+    flags = [*SMALL, "--max-steps", "12", "--test-freq", "-1", "--save-freq", "50", "--rollout", "hf"]
+    flags += ["--rollout-ranks", "1", "--max-staleness", "1"]
+    proc = start_and_wait_for_step(tmp_path, 2, *flags, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    done = max(steps_logged(tmp_path))
+    assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 12" in out + err, err[-3000:]
+    state = json.load(open(tmp_path / f"global_step_{done}" / "trainer_state.json"))
+    assert list(state["rollouts_ahead"]) == [str(done + 1)]
+    resumed = run(tmp_path, *flags, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert steps_logged(tmp_path) == list(range(1, 13))
+
+
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_the_collective_timeout(tmp_path):
     """A rank frozen by SIGSTOP (a hung node, a debugger): the other one waited silently for gloo's
     30 minutes. With --collective-timeout 15 it gives up after 15 s and says what happened."""
