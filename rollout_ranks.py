@@ -5,8 +5,9 @@ update can run at the same time on different devices (verl's one-step-off-policy
 Each side has a torch.distributed world of its own (init): the N = W - K trainers run FSDP2, metrics and
 checkpoints as N ranks would alone; the rollout ranks run engines as K colocated ranks would. Trainer
 rank 0 and the rollout ranks share the bridge, a gloo group of pickled messages between our own
-processes: START (the flags, where to start), WEIGHTS (version v after each update, in buckets:
-weight_sync.py; sent without waiting for the rollout ranks to take it), ROLLOUT (a rollout rank's share
+processes: START (the flags, where to start), WEIGHTS (version v after each update: a header, then
+buckets broadcast over NCCL where every bridge rank has a GPU of its own, else gloo; weight_sync.py;
+sent without waiting for the rollout ranks to take them), ROLLOUT (a rollout rank's share
 of step j, as soon as it is made), VALIDATION (of version v, when one is due). Step j's rollout comes from
 version j - 1 - S (async_rollout.py). Waiting longer than --collective-timeout is an error naming what
 was awaited, never a hang.
@@ -29,11 +30,13 @@ STOP = "stop"  # sent instead of weights when the trainers stop early
 
 
 class Bridge:
-    """Messages between trainer rank 0 (bridge rank 0) and rollout rank i (bridge rank i + 1). Sends
-    return at once; their buffers are kept until flush()."""
+    """Messages between trainer rank 0 (bridge rank 0) and rollout rank i (bridge rank i + 1), over gloo;
+    the weights' buckets are broadcast from bridge rank 0 over `weights` (weights_group) into tensors on
+    `weights_device`. Sends return at once; their buffers are kept until flush()."""
 
-    def __init__(self, group, timeout):
+    def __init__(self, group, timeout, weights, weights_device):
         self.group, self.timeout, self.pending = group, datetime.timedelta(seconds=timeout), []
+        self.weights, self.weights_device = weights, weights_device
         self.last_gap = None  # a rollout rank's: the weight check's probe gap, of the version it holds
 
     def send_tensor(self, tensor, dst, tag):
@@ -45,12 +48,29 @@ class Bridge:
         self.send_tensor(data, dst, tag)
 
     def recv_tensor(self, tensor, src, tag, what):
+        return self.wait(self.group.recv([tensor], src, tag), tensor, src, what)
+
+    def wait(self, work, tensor, src, what):
         try:
-            self.group.recv([tensor], src, tag).wait(self.timeout)
+            work.wait(self.timeout)
         except RuntimeError as e:
             side = "trainer rank 0" if src == 0 else f"rollout rank {src - 1}"
             raise RuntimeError(f"waited for {what} from {side}: {e} (--collective-timeout)") from None
         return tensor
+
+    def send_buckets(self, buckets):
+        """Trainer rank 0: broadcast each bucket to every rollout rank (they take it in receive_buckets)."""
+        for b in buckets:
+            self.pending.append((self.weights.broadcast([b], from_trainer()), b))
+
+    def receive_buckets(self, sizes, what):
+        """A rollout rank: the buckets of `sizes` [(dtype name, numel)], from trainer rank 0's send_buckets."""
+        out = []
+        for i, (dtype, numel) in enumerate(sizes):
+            bucket = torch.empty(numel, dtype=getattr(torch, dtype), device=self.weights_device)
+            work = self.weights.broadcast([bucket], from_trainer())
+            out.append(self.wait(work, bucket, 0, f"bucket {i + 1} of {len(sizes)} of {what}"))
+        return out
 
     def recv(self, src, tag, what):
         size = self.recv_tensor(torch.zeros(1, dtype=torch.int64), src, tag, what)
@@ -95,11 +115,34 @@ def init(rollout_ranks, timeout):
         os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_world), GRPO_ROLLOUT_SIDE="1")
     bridge = None
     if rank == 0 or side == "rollout":
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore("bridge", store), side_rank + (side == "rollout"), rollout_ranks + 1, wait
-        )
-        bridge = Bridge(group, timeout)
+        bridge_rank, size = side_rank + (side == "rollout"), rollout_ranks + 1
+        group = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), bridge_rank, size, wait)
+        weights = weights_group(dist.PrefixStore("weights", store), bridge_rank, size, device, group, wait)
+        bridge = Bridge(group, timeout, *weights)
     return Placement(rank, trainers, rollout_ranks, bridge), side_rank, side_world, device
+
+
+def weights_group(store, rank, size, device, bridge, wait):
+    """(The group the weights' buckets are broadcast over, the device they travel on): NCCL between GPUs
+    when every bridge rank has a GPU of its own (ranks that share one cannot be in an NCCL group, as when
+    a trainer and a rollout rank share a single GPU), else gloo through CPU memory. The NCCL line has not
+    run here: it needs two GPUs, and the machines lent to this project have one."""
+    own = device.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count()
+    every = torch.tensor([int(own)])
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    bridge.allreduce([every], opts).wait(wait)  # every bridge rank must pick the same backend
+    if every.item():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = wait
+        return dist.ProcessGroupNCCL(store, rank, size, options), device
+    return dist.ProcessGroupGloo(store, rank, size, wait), torch.device("cpu")
+
+
+def from_trainer():
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0  # trainer rank 0
+    return opts
 
 
 def placement_rules(a, world):
@@ -179,10 +222,7 @@ def take_weights(bridge, engine, version, probe, args):
         return STOP
     if header["version"] != version:
         raise WeightSyncError(f"expected policy version {version}, the trainer sent version {header['version']}")
-    buckets = []
-    for i, (dtype, numel) in enumerate(header["buckets"]):
-        what = f"bucket {i + 1} of {len(header['buckets'])} of policy version {version}"
-        buckets.append(bridge.recv_tensor(torch.empty(numel, dtype=getattr(torch, dtype)), 0, WEIGHTS, what))
+    buckets = bridge.receive_buckets(header["buckets"], f"policy version {version}")
     for i, (got, sent) in enumerate(zip(bucket_sums(buckets), header["sums"])):
         if got != sent:
             raise WeightSyncError(
@@ -247,14 +287,13 @@ class Trainers:
             for _ in tensors:  # each is a collective
                 pass
             return
-        layout, buckets = pack(tensors)
-        self.bridge.flush()  # the previous version's buffers are free once every rollout rank took it
+        self.bridge.flush()  # the previous version's buckets are free once every rollout rank took them
+        layout, buckets = pack(tensors, self.bridge.weights_device)
         header = dict(version=version, layout=layout, probe=expected, sums=bucket_sums(buckets))
         header["buckets"] = [(str(b.dtype).removeprefix("torch."), b.numel()) for b in buckets]
         for r in self.receivers:
             self.bridge.send(header, r, WEIGHTS)
-            for b in buckets:
-                self.bridge.send_tensor(b, r, WEIGHTS)
+        self.bridge.send_buckets(buckets)
 
     def validation(self, step, log):
         """The rollout ranks' validation of version `step`: its metrics (its samples go to the run's log)."""

@@ -71,11 +71,11 @@ def sync_and_check(engine, policy, dtype, *, probe, pad_id, device, version, dty
 # Buckets: many tensors in few messages
 
 
-def pack(named_tensors, bucket_mb=BUCKET_MB):
-    """(layout: [(name, dtype, shape, bucket, offset)], buckets: flat CPU tensors of one dtype each)."""
+def pack(named_tensors, device="cpu", bucket_mb=BUCKET_MB):
+    """(layout: [(name, dtype, shape, bucket, offset)], buckets: flat tensors on `device`, of one dtype each)."""
     layout, buckets, parts, size = [], [], [], 0
     for name, tensor in named_tensors:
-        flat = tensor.detach().reshape(-1).cpu()
+        flat = tensor.detach().reshape(-1).to(device)
         if parts and (flat.dtype != parts[0].dtype or size + flat.numel() * flat.element_size() > bucket_mb * 2**20):
             buckets.append(torch.cat(parts))
             parts, size = [], 0

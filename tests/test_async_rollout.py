@@ -129,6 +129,15 @@ def test_one_rollout_rank_trains_exactly_as_one_colocated_rank(async_baselines, 
 
 
 @pytest.mark.slow
+def test_two_trainers_and_two_rollout_ranks_train_exactly_as_two_colocated_ranks(tmp_path):
+    """4 ranks, 2 and 2: the weights are broadcast to both rollout ranks, whose shares join in rank order
+    and split again among the 2 trainers (FSDP over 2), as 2 colocated ranks would have them."""
+    train(tmp_path / "colocated", *ASYNC, ranks=2)
+    train(tmp_path / "split", *ASYNC, "--rollout-ranks", "2", ranks=4)
+    assert_same_run(tmp_path / "colocated", tmp_path / "split")
+
+
+@pytest.mark.slow
 def test_killed_run_with_a_rollout_rank_resumes_exactly(async_baselines, tmp_path):
     train(tmp_path, *ASYNC, "--rollout-ranks", "1", ranks=2, crash_at="update:3")
     train(tmp_path, *ASYNC, "--rollout-ranks", "1", ranks=2)
