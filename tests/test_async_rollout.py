@@ -156,6 +156,38 @@ def test_a_rollout_rank_that_lost_the_lora_weights_stops_the_run_naming_the_vers
     assert [r["step"] for r in rows] == [0, 1]  # version 1 checked fine; step 2 waited for its validation
 
 
+@pytest.mark.slow
+def test_a_reward_model_and_dynamic_sampling_run_on_the_rollout_rank_as_colocated(tmp_path):
+    """The rollout rank scores with the reward model and refills the batch (--filter-groups) in its own
+    world; the trainer loads neither. Same samples, same training as one colocated rank."""
+    from models import build_random_model, build_tiny_model
+    from tasks.digits import TASK_WORDS
+
+    build_tiny_model(str(tmp_path / "tiny"), TASK_WORDS)
+    rm = build_random_model(str(tmp_path / "rm"), str(tmp_path / "tiny"), seed=1, reward_model=True)
+    flags = [*ASYNC, "--reward-model", rm, "--filter-groups", "--max-gen-batches", "3"]
+    train(tmp_path / "colocated", *flags)
+    train(tmp_path / "split", *flags, "--rollout-ranks", "1", ranks=2)
+    assert_same_run(tmp_path / "colocated", tmp_path / "split")
+    rows = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")][1:]
+    assert all("reward_extra/reward_model/mean" in r and r["filter/gen_batches"] >= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_on_a_rollout_rank_is_the_runs_root_cause(tmp_path):
+    (tmp_path / "flaky.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ConnectionError('the checker is down')\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_grpo.py"]
+    cmd += ["--out-dir", str(tmp_path / "run"), "--rollout", "hf", "--reward-fn", str(tmp_path / "flaky.py")]
+    cmd += [*ASYNC, "--rollout-ranks", "1", "--max-steps", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert proc.returncode != 0 and "rank      : 1" in root_cause, proc.stderr[-3000:]
+    assert "ConnectionError: the checker is down" in root_cause and "sample 0" in root_cause
+
+
 # ----------------------------------------------------------------------------------------------
 # Learning parity: the demo at S = 1 learns as fast as the synchronous loop
 

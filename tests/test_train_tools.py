@@ -3,7 +3,7 @@ Qwen2.5 tokenizer and chat template (its tools block in every prompt), on a rand
 opens and closes tool calls often (tests/conftest.py: qwen_tool_model). Its calls are random tokens,
 so each one is malformed and the model reads an error, then goes on: conversations of up to 3 turns.
 The same samples on 1 and 2 ranks, an exact resume after kill -9, vLLM with LoRA and --filter-groups,
-eval.py. The loop itself, with scripted turns and every kind of tool failure: test_multi_turn.py."""
+a rollout rank, eval.py. The loop itself, with scripted turns and every kind of tool failure: test_multi_turn.py."""
 
 import json
 import os
@@ -80,6 +80,20 @@ def test_vllm_with_lora_and_dynamic_sampling_on_two_ranks(runs, tmp_path):
     for row in rows[1:]:
         assert row["num_turns/mean"] >= 1 and row["tool/calls_per_sample"] > 0
         assert row["training/rollout_logprob_diff_max"] <= 1e-4 and row["filter/kept_groups"] >= 1
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_holds_the_conversations_a_colocated_rank_would(runs, tmp_path):
+    """--rollout-ranks 1 --max-staleness 1: the tool worker runs on the rollout rank; the trainer gets the
+    conversations (their masks, turns and tool counts) and trains exactly as one colocated rank at S = 1."""
+    _, flags = runs
+    train(tmp_path / "colocated", *flags, "--max-staleness", "1")
+    train(tmp_path / "split", *flags, "--max-staleness", "1", "--rollout-ranks", "1", ranks=2)
+    assert_same_run(tmp_path / "colocated", tmp_path / "split")
+    a, b = metrics(tmp_path / "colocated"), metrics(tmp_path / "split")
+    for key in COMPARED.split():
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    assert max(r["num_turns/max"] for r in b[1:]) >= 2
 
 
 @pytest.mark.slow
