@@ -135,8 +135,11 @@ def weights_group(store, rank, size, device, bridge, wait):
     if every.item():
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = wait
-        return dist.ProcessGroupNCCL(store, rank, size, options), device
-    return dist.ProcessGroupGloo(store, rank, size, wait), torch.device("cpu")
+        group, on = dist.ProcessGroupNCCL(store, rank, size, options), device
+    else:
+        group, on = dist.ProcessGroupGloo(store, rank, size, wait), torch.device("cpu")
+    group.broadcast([torch.zeros(1, device=on)], from_trainer()).wait(wait)  # connect now, while all are here
+    return group, on
 
 
 def from_trainer():
