@@ -88,14 +88,22 @@ def catch_stop_signals():
 
     def ask(signum, frame):
         if _stop["signal"] is None:
-            print(
-                f"rank {os.environ.get('RANK', 0)}: {signal.Signals(signum).name}: stopping at the next step boundary",
-                flush=True,
-            )
+            who = ("rollout rank " if os.environ.get("GRPO_ROLLOUT_SIDE") else "rank ") + os.environ.get("RANK", "0")
+            print(f"{who}: {signal.Signals(signum).name}: stopping at the next step boundary", flush=True)
         _stop["signal"] = signum
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, ask)
+
+
+def stop_signal():
+    """The signal that asked this process to stop, or None (a rollout rank passes it on to the trainers)."""
+    return _stop["signal"]
+
+
+def ask_to_stop(signum):
+    """As if `signum` had reached this process: trainer rank 0 passing on a rollout rank's stop."""
+    _stop["signal"] = _stop["signal"] or signum
 
 
 def stop_requested(device):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from async_rollout import from_plain, generation_version, join, to_plain
+from distributed import ask_to_stop, stop_signal
 from weight_sync import WeightSyncError, bucket_sums, check_engine, pack, trainer_probe, unpack
 
 START, WEIGHTS, ROLLOUT, VALIDATION = 1, 2, 3, 4  # the bridge's message tags
@@ -206,7 +207,8 @@ def serve(placement, engine, *, args, total_steps, collect, validate, rank):
         timing = {}
         ro = collect(j, timing=timing)
         ro.versions = [version] * len(ro.response_ids)
-        bridge.send(to_plain(ro) | {"weight_sync_gap": bridge.last_gap, "timing": timing}, 0, ROLLOUT)
+        stop = int(stop_signal() or 0)  # a SIGTERM that reached this rank: the trainers stop the run, it goes on
+        bridge.send(to_plain(ro) | {"weight_sync_gap": bridge.last_gap, "timing": timing, "stop": stop}, 0, ROLLOUT)
     while version < total_steps:  # the last versions: none generates, validation may be due
         if not advance():
             return
@@ -270,6 +272,8 @@ class Trainers:
         plain = None
         if self.rank == 0:
             parts = [self.bridge.recv(r, ROLLOUT, f"step {step}'s rollout") for r in self.receivers]
+            for signum in {p["stop"] for p in parts} - {0}:  # a rollout rank was asked to stop: so is the run
+                ask_to_stop(signum)
             gaps = [p["weight_sync_gap"] for p in parts if p["weight_sync_gap"] is not None]  # none before a sync
             plain = join(parts) | {"weight_sync_gap": max(gaps) if gaps else None}
             plain["timing"] = {k: max(p["timing"][k] for p in parts) for k in parts[0]["timing"]}  # the slowest's

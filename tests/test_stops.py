@@ -85,17 +85,24 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp_path):
+@pytest.mark.parametrize("to", ["torchrun", "the rollout rank"])
+def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp_path, to):
     """--rollout-ranks 1 --max-staleness 1: the trainer saves the step it finished with the rollout already
     made for the next one, tells the rollout rank to stop, and both exit; the same command finishes.
-    12 steps: a SIGTERM after step 2 cannot land on the last one, which would just finish the run."""
+    SIGTERM to torchrun reaches both ranks; to the rollout rank alone (its node preempted), it passes the
+    request on with its next rollout. 12 steps: a SIGTERM after step 2 cannot land on the last one."""
+    import psutil
+
     flags = [*SMALL, "--max-steps", "12", "--test-freq", "-1", "--save-freq", "50", "--rollout", "hf"]
     flags += ["--rollout-ranks", "1", "--max-staleness", "1"]
     proc = start_and_wait_for_step(tmp_path, 2, *flags, ranks=2)
-    proc.send_signal(signal.SIGTERM)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_grpo.py" in " ".join(p.cmdline())]
+    rollout_rank = [p for p in ranks if p.environ().get("RANK") == "1"]
+    (proc if to == "torchrun" else rollout_rank[0]).send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     done = max(steps_logged(tmp_path))
     assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 12" in out + err, err[-3000:]
+    assert "rollout rank 0: SIGTERM: stopping at the next step boundary" in out + err
     state = json.load(open(tmp_path / f"global_step_{done}" / "trainer_state.json"))
     assert list(state["rollouts_ahead"]) == [str(done + 1)]
     resumed = run(tmp_path, *flags, ranks=2)
