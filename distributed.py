@@ -188,5 +188,8 @@ def run(main, clear_errors=()):
             "output says why. Checkpoints are intact: rerun the same command to resume. If ranks legitimately wait "
             "longer than this for each other, raise --collective-timeout."
         )
+        # torchrun's root cause is the failure recorded first, to the second, and a tie goes to the lower rank:
+        # a rank that died recorded its error before this one saw it die, so one second later always sorts after
+        time.sleep(1)
         record_root_cause(message)
         raise SystemExit(message) from None
