@@ -78,7 +78,8 @@ class RolloutsAhead:
         order, for a checkpoint after step `done` (a collective)."""
         steps = range(done + 1, min(done + self.max_staleness, self.total_steps) + 1)
         for j in steps if self.receive else ():  # on their way from the rollout ranks
-            self.ready.setdefault(j, self.receive(j))
+            if j not in self.ready:  # (a step stopped before its update holds its rollout already)
+                self.ready[j] = self.receive(j)
         mine = {j: to_plain(self.ready[j]) for j in steps if j in self.ready}
         gathered = all_gather(mine)
         return {str(j): join([part[j] for part in gathered]) for j in sorted(mine)}

@@ -138,6 +138,16 @@ def test_two_trainers_and_two_rollout_ranks_train_exactly_as_two_colocated_ranks
 
 
 @pytest.mark.slow
+def test_a_rollout_rank_two_steps_ahead_trains_exactly_as_one_colocated_rank(tmp_path):
+    """S = 2, a checkpoint every step: each holds the next 2 steps' rollouts, the first of them already
+    received for the one before. (A regression: saving received the held step again, which took, and
+    dropped, the next step's rollout; later steps trained on the wrong step's samples.)"""
+    train(tmp_path / "colocated", "--max-staleness", "2")
+    train(tmp_path / "split", "--max-staleness", "2", "--rollout-ranks", "1", ranks=2)
+    assert_same_run(tmp_path / "colocated", tmp_path / "split")
+
+
+@pytest.mark.slow
 def test_killed_run_with_a_rollout_rank_resumes_exactly(async_baselines, tmp_path):
     train(tmp_path, *ASYNC, "--rollout-ranks", "1", ranks=2, crash_at="update:3")
     train(tmp_path, *ASYNC, "--rollout-ranks", "1", ranks=2)
