@@ -105,7 +105,7 @@ def plain_value(value):
 
 
 def to_plain(ro):
-    skip = ("rows", "turns", "extras", "timing", "weight_sync_gap")  # the last two: this run's measurements
+    skip = ("rows", "turns", "extras", "remote_metrics", "weight_sync_gap")  # the last two: this run's measurements
     plain = {f.name: getattr(ro, f.name) for f in dataclasses.fields(ro) if f.name not in skip}
     plain["turns"] = [dataclasses.asdict(t) for t in ro.turns]
     plain["extras"] = {k: [plain_value(v) for v in values] for k, values in ro.extras.items()}

@@ -206,6 +206,9 @@ class Args:
     rollout_ranks: int = rule(0, ">= 0", lambda v: v >= 0)
     """The last K torchrun ranks only generate, the others train (rollout_ranks.py); with --max-staleness >= 1
     both sides work at once. 0: every rank trains and generates in turn."""
+    stream_rollouts: bool = False
+    """With --rollout-ranks and --max-staleness: the rollout ranks generate without pause, loading each new version
+    mid-answer, and send each group as it ends (verl's fully async; stream_rollouts.py). Resumes validly, not exactly."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
@@ -381,10 +384,7 @@ def check_args(args, world=1, cuda=None):
             f"--logger {a.logger}: jsonl is required: metrics.jsonl is the run's record (resume and the health report read it)",
         ),
         ("wandb" not in loggers(a) or a.wandb_project, "--logger wandb needs --wandb-project NAME"),
-        (
-            not a.wandb_project or "wandb" in loggers(a),
-            "--wandb-project needs wandb in --logger (e.g. --logger console,jsonl,wandb)",
-        ),
+        (not a.wandb_project or "wandb" in loggers(a), "--wandb-project needs wandb in --logger (e.g. jsonl,wandb)"),
         (not a.wandb_run_name or a.wandb_project, "--wandb-run-name needs --wandb-project"),
         (
             a.resume in ("auto", "never") or os.path.isdir(a.resume),

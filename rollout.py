@@ -178,9 +178,21 @@ class StepRollout:
     turns: list = dataclasses.field(default_factory=list)  # [B*n] multi-turn: multi_turn.Turns
     indices: list = dataclasses.field(default_factory=list)  # [B] each prompt's row in the training data
     versions: list = dataclasses.field(default_factory=list)  # [B*n] the policy version that generated each
-    # --rollout-ranks (rollout_ranks.py): the rollout ranks' times making it; the probe gap of their last weight check
-    timing: dict = dataclasses.field(default_factory=dict)
+    # --rollout-ranks (rollout_ranks.py): the rollout ranks' metrics of making it (timing_s/*: the slowest's; with
+    # --stream-rollouts rollout/interrupted); the probe gap of their last weight check
+    remote_metrics: dict = dataclasses.field(default_factory=dict)
     weight_sync_gap: float | None = None
+
+
+def score_group(train_rows, index, out, *, step, place, args, tokenizer, reward, eos_ids, device):
+    """One prompt's group (--stream-rollouts): the StepRollout of row `index`'s n samples `out` (a Rollout),
+    scored as collect_rollout scores them; place: the prompt's in the step's global batch."""
+    row, texts, n = train_rows[index], response_texts(out, tokenizer, eos_ids), args.group_size
+    where = f"step {step}"
+    scores, extras = score_samples(
+        reward, [row] * n, texts, out, first=place * n, args=args, device=device, where=where
+    )
+    return StepRollout([row], out.response_ids, out.logprobs, out.truncated, texts, scores, extras, {}, indices=[index])
 
 
 def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):

@@ -40,13 +40,14 @@ class Bridge:
         self.weights, self.weights_device = weights, weights_device
         self.last_gap = None  # a rollout rank's: the weight check's probe gap, of the version it holds
 
-    def send_tensor(self, tensor, dst, tag):
-        self.pending.append((self.group.send([tensor], dst, tag), tensor))
+    def send_tensor(self, tensor, dst, tag, mark=0):
+        self.pending.append((self.group.send([tensor], dst, tag), tensor, mark))
 
-    def send(self, obj, dst, tag):
+    def send(self, obj, dst, tag, mark=0):
+        """Send `obj`; mark: flush(through) may wait for it once mark <= through."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.send_tensor(torch.tensor([data.numel()]), dst, tag)
-        self.send_tensor(data, dst, tag)
+        self.send_tensor(torch.tensor([data.numel()]), dst, tag, mark)
+        self.send_tensor(data, dst, tag, mark)
 
     def recv_tensor(self, tensor, src, tag, what):
         return self.wait(self.group.recv([tensor], src, tag), tensor, src, what)
@@ -62,7 +63,7 @@ class Bridge:
     def send_buckets(self, buckets):
         """Trainer rank 0: broadcast each bucket to every rollout rank (they take it in receive_buckets)."""
         for b in buckets:
-            self.pending.append((self.weights.broadcast([b], from_trainer()), b))
+            self.pending.append((self.weights.broadcast([b], from_trainer()), b, 0))
 
     def receive_buckets(self, sizes, what):
         """A rollout rank: the buckets of `sizes` [(dtype name, numel)], from trainer rank 0's send_buckets."""
@@ -77,11 +78,13 @@ class Bridge:
         size = self.recv_tensor(torch.zeros(1, dtype=torch.int64), src, tag, what)
         return pickle.loads(self.recv_tensor(torch.empty(int(size.item()), dtype=torch.uint8), src, tag, what).numpy())
 
-    def flush(self):
-        """Wait until every message sent has been taken."""
-        for work, _ in self.pending:
-            work.wait(self.timeout)
-        self.pending = []
+    def flush(self, through=float("inf")):
+        """Wait until every message sent (marked at most `through`: known to be taken by now) has been
+        taken, and free it."""
+        for work, _, mark in self.pending:
+            if mark <= through:
+                work.wait(self.timeout)
+        self.pending = [p for p in self.pending if p[2] > through]
 
 
 @dataclasses.dataclass
@@ -162,6 +165,15 @@ def placement_rules(a, world):
             a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
             f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
         ),
+        (
+            not a.stream_rollouts or a.rollout_ranks and a.max_staleness,
+            "--stream-rollouts needs --rollout-ranks K >= 1 and --max-staleness S >= 1",
+        ),
+        (not a.stream_rollouts or a.rollout != "hf", "--stream-rollouts needs the vLLM engine: drop --rollout hf"),
+        (
+            not a.stream_rollouts or not (a.tools or a.filter_groups),
+            "--stream-rollouts streams single-turn groups one by one: drop --tools and --filter-groups",
+        ),
     ]
 
 
@@ -192,6 +204,7 @@ def serve(placement, engine, *, args, total_steps, collect, validate, rank):
         version += 1
         if take_weights(bridge, engine, version, probe, args) == STOP:
             return False
+        bridge.flush(through=version)  # the rollouts of steps up to `version` were trained on, so taken
         if validation_due(version, args, total_steps, fresh):
             send_validation(bridge, validate(version), rank)
         return True
@@ -207,12 +220,19 @@ def serve(placement, engine, *, args, total_steps, collect, validate, rank):
         timing = {}
         ro = collect(j, timing=timing)
         ro.versions = [version] * len(ro.response_ids)
-        stop = int(stop_signal() or 0)  # a SIGTERM that reached this rank: the trainers stop the run, it goes on
-        bridge.send(to_plain(ro) | {"weight_sync_gap": bridge.last_gap, "timing": timing, "stop": stop}, 0, ROLLOUT)
+        send_groups(bridge, [(j, 0, to_plain(ro), 0)], timing)
     while version < total_steps:  # the last versions: none generates, validation may be due
         if not advance():
             return
     bridge.flush()
+
+
+def send_groups(bridge, groups, timing):
+    """A ROLLOUT message: groups [(step, place of the first prompt in the step, plain rollout, weight loads
+    during its generation)], this rank's times since its last message, its last probe gap, and whether a
+    SIGTERM reached it (then the trainers stop the run; it goes on until they do)."""
+    message = dict(groups=groups, timing=timing, weight_sync_gap=bridge.last_gap, stop=int(stop_signal() or 0))
+    bridge.send(message, 0, ROLLOUT, mark=max(j for j, *_ in groups))
 
 
 def send_validation(bridge, result, rank):
@@ -221,7 +241,13 @@ def send_validation(bridge, result, rank):
 
 
 def take_weights(bridge, engine, version, probe, args):
-    """Receive version `version` (or STOP), check each bucket's sums, load it, check the engine serves it."""
+    """Receive version `version` (or STOP), load it, check the engine serves it."""
+    received = receive_weights(bridge, version)
+    return STOP if received == STOP else load_weights(bridge, engine, *received, probe, args)
+
+
+def receive_weights(bridge, version):
+    """(header, buckets) of version `version`, each bucket's sums checked; or STOP."""
     header = bridge.recv(0, WEIGHTS, f"policy version {version}")
     if header == STOP:
         return STOP
@@ -233,6 +259,12 @@ def take_weights(bridge, engine, version, probe, args):
             raise WeightSyncError(
                 f"policy version {version}: bucket {i + 1} arrived with sums {got}, was sent with {sent}"
             )
+    return header, buckets
+
+
+def load_weights(bridge, engine, header, buckets, probe, args):
+    """Load received weights into the engine, then check it serves them; returns their version."""
+    version = header["version"]
     engine.wake_up()
     if os.environ.get("GRPO_FAULT") != f"skip_weights:{version}":  # the weight-sync test's fault: a load lost
         engine.update_weights(unpack(header["layout"], buckets))
@@ -254,6 +286,8 @@ class Trainers:
         self.placement, self.bridge, self.rank, self.world = placement, placement.bridge, rank, world
         self.args, self.train_rows, self.receivers = args, train_rows, range(1, placement.rollout_ranks + 1)
         self.probe = None  # weight_sync's probe: dict(ids, pad_id, device)
+        self.share = args.prompt_batch_size // placement.rollout_ranks  # a rollout rank's prompts per step
+        self.held = {}  # (rollout rank, step) -> [(place, plain group(s), weight loads)] received ahead of use
 
     def broadcast(self, obj):
         """Trainer rank 0's `obj`, on every trainer rank."""
@@ -268,19 +302,33 @@ class Trainers:
                 self.bridge.send(dict(step=step, first=first, probe=self.probe["ids"]), r, START)
 
     def rollout(self, step):
-        """Step `step`'s rollout: this trainer rank's share of it (StepRollout), and the probe gap of its version."""
+        """Step `step`'s rollout: this trainer rank's share of it (StepRollout), with the probe gap of the
+        rollout ranks' last weight check and their metrics (remote_metrics)."""
         plain = None
         if self.rank == 0:
-            parts = [self.bridge.recv(r, ROLLOUT, f"step {step}'s rollout") for r in self.receivers]
-            for signum in {p["stop"] for p in parts} - {0}:  # a rollout rank was asked to stop: so is the run
-                ask_to_stop(signum)
-            gaps = [p["weight_sync_gap"] for p in parts if p["weight_sync_gap"] is not None]  # none before a sync
-            plain = join(parts) | {"weight_sync_gap": max(gaps) if gaps else None}
-            plain["timing"] = {k: max(p["timing"][k] for p in parts) for k in parts[0]["timing"]}  # the slowest's
+            parts, times, gaps, loads = [], [], [], []
+            for r in self.receivers:  # its messages until its share of the step is in; they hold whole groups
+                spent = {}
+                while sum(len(g["indices"]) for _, g, _ in self.held.get((r, step), [])) < self.share:
+                    message = self.bridge.recv(r, ROLLOUT, f"step {step}'s rollout")
+                    if message["stop"]:  # a rollout rank was asked to stop: so is the run
+                        ask_to_stop(message["stop"])
+                    for j, place, group, load in message["groups"]:
+                        self.held.setdefault((r, j), []).append((place, group, load))
+                    spent = {k: spent.get(k, 0.0) + v for k, v in message["timing"].items()}
+                    gaps += [message["weight_sync_gap"]] if message["weight_sync_gap"] is not None else []
+                pieces = sorted(self.held.pop((r, step)), key=lambda piece: piece[0])  # in the step's order
+                parts, loads = parts + [g for _, g, _ in pieces], loads + [load for *_, load in pieces]
+                times.append(spent)
+            plain = join(parts) | {"weight_sync_gap": max(gaps) if gaps else None}  # none before a sync
+            metrics = {f"timing_s/{k}": max(t.get(k, 0.0) for t in times) for k in set().union(*times)}  # the slowest
+            if self.args.stream_rollouts:  # the step's groups whose generation a new version interrupted
+                metrics["rollout/interrupted"] = sum(load > 0 for load in loads) / len(loads)
+            plain["remote_metrics"] = metrics
         plain = self.broadcast(plain)
         local = self.args.prompt_batch_size // self.world
         ro = from_plain(plain, self.train_rows, slice(self.rank * local, (self.rank + 1) * local), self.args.group_size)
-        ro.weight_sync_gap, ro.timing = plain["weight_sync_gap"], plain["timing"]
+        ro.weight_sync_gap, ro.remote_metrics = plain["weight_sync_gap"], plain["remote_metrics"]
         return ro
 
     def send_weights(self, policy, dtype, version):

@@ -37,6 +37,7 @@ import rng
 import rollout_ranks
 import run_dir
 import safe_write
+import stream_rollouts
 from advantage import compute_advantages
 from async_rollout import RolloutsAhead, staleness_metrics
 from config import loggers, parse_args
@@ -141,8 +142,7 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
                 (loss * (piece / max(whole, 1) * world)).backward()
                 checkpoint.crash_point("update", step)
                 stats.append(terms)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-            grad_norm = full_tensor(grad_norm).item()
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)).item()
             if not math.isfinite(grad_norm):
                 skipped += 1
                 print0(f"step {step}: gradient norm is {grad_norm}; skipping this optimizer step")
@@ -230,15 +230,17 @@ def main():
     what = type(engine).__name__ if engine else f"on the {args.rollout_ranks} rollout ranks"
     print0(f"rollout engine: {what}" + (f", KV cache of {kv:,} tokens" if kv else ""))
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
-    if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py)
+    if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py, stream_rollouts.py)
         rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
-        collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world, tokenizer=tokenizer)
-        collect = partial(collect, reward=(reward_fn, rm), eos_ids=eos_ids, device=device, tools=tools)
+        scoring = dict(args=args, tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, device=device)
         how = dict(val_rows=val_rows, tokenizer=tokenizer, reward_fn=reward_fn, eos_ids=eos_ids, args=args, tools=tools)
         validate = partial(validate_step, engine=engine, rank=rank, world=world, **how)
-        rollout_ranks.serve(
-            placement, engine, args=args, total_steps=total_steps, collect=collect, validate=validate, rank=rank
-        )
+        if args.stream_rollouts:  # group by group, the engine never waiting for a step's end
+            serve = partial(stream_rollouts.serve, train_rows=train_rows, world=world, scoring=scoring)
+        else:  # a step's share at a time
+            collect = partial(collect_rollout, engine, train_rows, rank=rank, world=world, tools=tools, **scoring)
+            serve = partial(rollout_ranks.serve, collect=collect)
+        serve(placement, engine, args=args, total_steps=total_steps, validate=validate, rank=rank)
         return close(engine, tools)
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
@@ -394,8 +396,7 @@ def main():
             device=device,
         )
         metrics["training/epoch"] = epoch
-        if remote:  # the rollout ranks' own times, overlapped with this step's; and their probe's gap
-            metrics.update({f"timing_s/{k}": v for k, v in ro.timing.items()})
+        metrics.update(ro.remote_metrics)  # the rollout ranks' times, overlapped with this step's
         if args.max_staleness or remote:
             gap = ro.weight_sync_gap if remote else sync_gap  # None: a rollout from the checkpoint
             metrics.update(staleness, **({"rollout/weight_sync_gap": gap} if gap is not None else {}))

@@ -94,6 +94,37 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 BENIGN_ROTARY_WARNING = BenignRotaryWarning()
 
 
+def sampling_params(n, max_tokens, seed, *, temperature, top_p, top_k, logprobs, stop_token_ids=(), stop=(), **more):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        logprobs=0 if logprobs else None,  # 0: the sampled token's
+        seed=seed,
+        stop_token_ids=list(stop_token_ids),
+        stop=list(stop),
+        detokenize=bool(stop),  # stop strings are looked for in the text
+        output_kind=RequestOutputKind.FINAL_ONLY,  # a request's n samples together, when the last ends
+        **more,
+    )
+
+
+def add_samples(rollout, out, copies, logprobs):
+    """A finished request's samples (vLLM's RequestOutput) into `rollout`, each `copies` times; returns it."""
+    for sample in sorted(out.outputs, key=lambda c: c.index) * copies:
+        ids = list(sample.token_ids)
+        rollout.response_ids.append(ids)
+        if logprobs:
+            rollout.logprobs.append([step[t].logprob for t, step in zip(ids, sample.logprobs)])
+        rollout.truncated.append(sample.finish_reason == "length")
+    return rollout
+
+
 class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
@@ -183,38 +214,18 @@ class VLLMEngine:
         max_new_tokens: one for all prompts, or a list with one per prompt. A response also ends at any
         of stop_token_ids (kept, like an EOS) and at the token that completes one of the strings `stop`
         in its text (kept whole: vLLM cuts only the text, which we do not use)."""
-        from vllm import SamplingParams
-
         budgets = per_prompt(max_new_tokens, len(prompts))
         # vLLM refuses n > 1 when greedy; the n greedy samples are all the same, so we make one and copy it
         n_engine = 1 if temperature == 0 else n
         # one SamplingParams per prompt, carrying the seed of its sample 0; vLLM adds j for sample j
         request_seeds = [None] * len(prompts) if seeds is None else sample_seeds(seeds, len(prompts), n)[::n]
-        params = [
-            SamplingParams(
-                n=n_engine,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                max_tokens=budget,
-                logprobs=0 if logprobs else None,  # 0: the sampled token's
-                seed=s,
-                stop_token_ids=list(stop_token_ids),
-                stop=list(stop),
-                detokenize=bool(stop),  # stop strings are looked for in the text
-            )
-            for s, budget in zip(request_seeds, budgets)
-        ]
+        kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs)
+        kw.update(stop_token_ids=stop_token_ids, stop=stop)
+        params = [sampling_params(n_engine, budget, s, **kw) for s, budget in zip(request_seeds, budgets)]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         rollout = Rollout()
         for out in outputs:  # in prompt order
-            samples = sorted(out.outputs, key=lambda c: c.index) * (n // n_engine)  # its n samples
-            for sample in samples:
-                ids = list(sample.token_ids)
-                rollout.response_ids.append(ids)
-                if logprobs:
-                    rollout.logprobs.append([step[t].logprob for t, step in zip(ids, sample.logprobs)])
-                rollout.truncated.append(sample.finish_reason == "length")
+            add_samples(rollout, out, n // n_engine, logprobs)
         return rollout
 
     def prompt_logprobs(self, ids):
@@ -225,15 +236,17 @@ class VLLMEngine:
         out = self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
         return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, in_flight=False):
         """Load (hf_name, full tensor) pairs into the engine. The iterator is consumed lazily, so a
-        generator that gathers one parameter at a time never holds a second copy of the model."""
+        generator that gathers one parameter at a time never holds a second copy of the model.
+        in_flight: requests are running (Stream): vLLM preempts them, and they go on under the new
+        weights once their KV cache is recomputed with them."""
         if self.tied:
             named_tensors = with_tied_lm_head(named_tensors)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache(reset_running_requests=in_flight)  # its KV blocks came from the old weights
 
     def sleep(self):
         """Free the GPU memory of weights (kept on CPU) and KV cache while training; CUDA only."""
@@ -252,3 +265,61 @@ class VLLMEngine:
             del self.llm
             gc.collect()
             self.llm = None
+
+
+class Stream:
+    """The engine driven one step at a time (--stream-rollouts): requests go in whenever there is room,
+    finished ones come out as they end, new weights go in between two steps while others run (AReaL's
+    interruptible generation: they continue under the new weights). Quacks like an engine for
+    weight_sync.check_engine and rollout_ranks.take_weights; never sleeps, as nothing else shares it."""
+
+    def __init__(self, engine):
+        self.engine, self.llm_engine, self.finished, self.running = engine, engine.llm.llm_engine, [], {}
+        self.ids = 0
+
+    def submit(self, key, prompt, n, seed, **sampling):
+        """Sample n responses to `prompt` (token ids) with seeds seed*n .. seed*n + n - 1, as generate does."""
+        self.ids += 1
+        request, budget = f"stream-{self.ids}", sampling.pop("max_new_tokens")
+        n_engine = 1 if sampling["temperature"] == 0 else n  # greedy: one sample, copied (as generate does)
+        self.llm_engine.add_request(
+            request, {"prompt_token_ids": list(prompt)}, sampling_params(n_engine, budget, seed * n, **sampling)
+        )
+        self.running[request] = (key, n // n_engine, sampling["logprobs"])
+
+    def step(self):
+        """One engine step; the requests that ended in it, as [(key, Rollout of its n samples)]."""
+        for out in self.llm_engine.step() if self.running else ():
+            if out.finished:
+                self.finished.append((out, *self.running.pop(out.request_id)))
+        done, self.finished = self.finished, []
+        return [(key, add_samples(Rollout(), out, copies, logprobs)) for out, key, copies, logprobs in done]
+
+    def __len__(self):  # the requests not returned by step() yet
+        return len(self.running) + len(self.finished)
+
+    def update_weights(self, named_tensors):
+        self.engine.update_weights(named_tensors, in_flight=bool(self.running))
+
+    def prompt_logprobs(self, ids):
+        """As VLLMEngine's, stepping the engine (and the requests in it) until the probe is through."""
+        self.ids += 1
+        request = f"probe-{self.ids}"
+        params = sampling_params(1, 1, 0, temperature=1.0, top_p=1.0, top_k=-1, logprobs=False, prompt_logprobs=0)
+        self.llm_engine.add_request(request, {"prompt_token_ids": list(ids)}, params)
+        while True:
+            for out in self.llm_engine.step():
+                if out.request_id == request and out.finished:
+                    return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
+                if out.finished:
+                    self.finished.append((out, *self.running.pop(out.request_id)))
+
+    def generate(self, *args, **kwargs):  # validation's, with nothing else running (stream_rollouts drains first)
+        assert not len(self), "generate() while streamed requests run would take their outputs"
+        return self.engine.generate(*args, **kwargs)
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):  # on CUDA the engine's sleep would drop the requests in flight
+        pass

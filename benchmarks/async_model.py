@@ -8,7 +8,9 @@ Generation of m samples on one device: T_gen(m) = c0 * L_max + c1 * m * L_mean (
 iteration's fixed cost, a GPU's decode is mostly that; c1: one more sample's token, a CPU's decode is
 mostly that). Update on D devices: U1 / D + h (h: the data-parallel overhead, D > 1). Weights: w.
 Synchronous on G devices: T_gen(B / G) + U1 / G + h + w. K rollout and N = G - K trainer devices at
-staleness >= 1, in steady state: max(T_gen(B / K), U1 / N + h + w_send).
+staleness >= 1, in steady state: max(T_gen(B / K), U1 / N + h + w_send). Streamed (--stream-rollouts),
+the engine refills each ended answer's place, so no iteration waits on the longest answer alone:
+T_stream(m) = c0 * L_mean + c1 * m * L_mean.
 CPU check: each shape's async step from its sync run's phases and the other shape's c1, h, w_send.
 GPU: c0, c1, U1 per token and w from one H200 (async_gpu.py), h = 0, GSM8K's measured length tail.
 """
@@ -70,6 +72,11 @@ def check_cpu(results):
         print(
             f"{name:>9}: async/sync speedup predicted {sync / async_:.2f}x, measured {measured['sync'] / measured['async_']:.2f}x"
         )
+        if "stream" in shapes[name]:  # on CPU c0 is not separated from c1: the stream's prediction is async's
+            stream = shapes[name]["stream"]["summary"]["step_s"]
+            print(
+                f"{name:>9}: stream/sync speedup predicted {sync / async_:.2f}x, measured {measured['sync'] / stream:.2f}x"
+            )
 
 
 def predict_gpu(gpu, tail, samples, prompt_tokens, lmax, h=0.0):
@@ -79,18 +86,22 @@ def predict_gpu(gpu, tail, samples, prompt_tokens, lmax, h=0.0):
     lmean = tail * lmax
     U1 = gpu["u"] * samples * (prompt_tokens + lmean)
     gen = lambda m: c0 * lmax + c1 * m * lmean  # noqa: E731
+    gen_stream = lambda m: c0 * lmean + c1 * m * lmean  # noqa: E731
     upd = lambda n: U1 / n + (h if n > 1 else 0.0)  # noqa: E731
     print(
         f"\nOne {gpu['device']} (async_gpu.py): c0 {c0 * 1e3:.1f} ms per decode iteration, c1 {c1 * 1e6:.1f} us per "
         f"sample-token, update {gpu['u'] * 1e6:.1f} us per token, weights {w:.2f} s; {samples} samples of "
         f"{prompt_tokens} + {lmean:.0f} tokens on average ({lmax} at most); h = {h} s"
     )
-    print(f"{'G':>3} {'K':>3} {'N':>3} {'sync s':>8} {'async s':>8} {'speedup':>8}")
+    print(f"{'G':>3} {'K':>3} {'N':>3} {'sync s':>8} {'async s':>8} {'speedup':>8} {'stream s':>9} {'speedup':>8}")
     for g in (2, 4, 8, 16):
         sync = gen(samples / g) + upd(g) + w
         for k in sorted({1, max(g // 4, 1), g // 2}):
             async_ = max(gen(samples / k), upd(g - k) + w)
-            print(f"{g:>3} {k:>3} {g - k:>3} {sync:>8.2f} {async_:>8.2f} {sync / async_:>7.2f}x")
+            stream = max(gen_stream(samples / k), upd(g - k) + w)
+            print(
+                f"{g:>3} {k:>3} {g - k:>3} {sync:>8.2f} {async_:>8.2f} {sync / async_:>7.2f}x {stream:>9.2f} {sync / stream:>7.2f}x"
+            )
 
 
 def main():

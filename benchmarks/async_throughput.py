@@ -9,10 +9,12 @@ prepares them):
   multiply  the README's SmolLM2 command: 8 prompts x 8 samples, answers up to 32 tokens (the update dominates)
   gsm8k     GSM8K prompts, 4 x 4 samples, answers up to 512 tokens (lengths vary most)
 Systems, each a fresh `torchrun --nproc_per_node=2 train_grpo.py`, the same prompts and seeds:
-  sync   both ranks generate, then both train (--max-staleness 0): today's loop
-  async  rank 1 only generates, rank 0 only trains, one step off-policy (--rollout-ranks 1 --max-staleness 1)
-A step is trainer rank 0's wall time (timing_s/step), the first --warmup left out. In async, gen is the
-rollout rank's (overlapped) and wait_rollout the trainer's wait for it. --out: every step, as JSON.
+  sync    both ranks generate, then both train (--max-staleness 0): today's loop
+  async   rank 1 only generates, rank 0 only trains, one step off-policy (--rollout-ranks 1 --max-staleness 1)
+  stream  async, group by group, new weights loaded mid-answer (async + --stream-rollouts)
+A step is trainer rank 0's wall time (timing_s/step), the first --warmup left out. In async and stream,
+gen is the rollout rank's (overlapped), wait_rollout the trainer's wait for it, rollout_idle the rollout
+rank's for the weights. --out: every step, as JSON.
 """
 
 import argparse
@@ -35,9 +37,13 @@ SHAPES = {
         "--mini-batch-size 4 --group-size 4 --max-prompt-length 512 --max-response-length 512 --lr 1e-6"
     ),
 }
-SYSTEMS = {"sync": "--max-staleness 0", "async": "--rollout-ranks 1 --max-staleness 1"}
+SYSTEMS = {
+    "sync": "--max-staleness 0",
+    "async": "--rollout-ranks 1 --max-staleness 1",
+    "stream": "--rollout-ranks 1 --max-staleness 1 --stream-rollouts",
+}
 COMMON = "--model models/smollm2 --kl-coef 0 --dtype auto --rollout vllm --test-freq -1 --save-freq -1 --no-save-model"
-PHASES = ["gen", "reward", "wait_rollout", "old_log_prob", "update_actor", "update_weights"]
+PHASES = ["gen", "reward", "rollout_idle", "wait_rollout", "old_log_prob", "update_actor", "update_weights"]
 
 
 def run(shape, system, steps, root):
@@ -65,6 +71,7 @@ def summary(records, warmup, samples_per_step):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="multiply,gsm8k")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="sync comes first: the ratios are against it")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="leading steps left out of the medians")
     p.add_argument("--work-dir", default="runs/bench_async")
@@ -74,29 +81,21 @@ def main():
     for shape in a.shapes.split(","):
         prompts, n = (8, 8) if shape == "multiply" else (4, 4)
         runs = {}
-        for system in SYSTEMS:
+        for system in a.systems.split(","):
             records, load = run(shape, system, a.steps, a.work_dir)
             runs[system] = dict(records=records, other_load=load, summary=summary(records, a.warmup, prompts * n))
         results["shapes"][shape] = runs
-        s, y = runs["sync"]["summary"], runs["async"]["summary"]
-        rows = [
-            [
-                name,
-                f"{r['step_s']:.2f}",
-                f"{r['samples_per_s']:.3f}",
-                f"{r['tokens_per_s']:.1f}",
-                f"{runs[name]['other_load']:.0%}",
-            ]
-            for name, r in (("sync", s), ("async", y))
-        ]
-        note = (
-            f"async / sync throughput: {y['samples_per_s'] / s['samples_per_s']:.2f}x (steps {a.warmup + 1}-{a.steps})"
-        )
-        print_table(
-            f"{shape}: 2 CPU ranks, medians", ["system", "step s", "samples/s", "tokens/s", "other load"], rows, note
-        )
-        phase_rows = [[ph, f"{s['phases'][ph]:.2f}", f"{y['phases'][ph]:.2f}"] for ph in PHASES]
-        print_table(f"{shape}: where a step's time goes (median s)", ["phase", "sync", "async"], phase_rows)
+        base, names = next(iter(runs.values()))["summary"], list(runs)
+        rows = []
+        for name in names:
+            r = runs[name]["summary"]
+            ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x"
+            rows.append([name, f"{r['step_s']:.2f}", f"{r['samples_per_s']:.3f}", f"{r['tokens_per_s']:.1f}", ratio])
+            rows[-1].append(f"{runs[name]['other_load']:.0%}")
+        header = ["system", "step s", "samples/s", "tokens/s", f"vs {names[0]}", "other load"]
+        print_table(f"{shape}: 2 CPU ranks, medians of steps {a.warmup + 1}-{a.steps}", header, rows)
+        phase_rows = [[ph, *(f"{runs[name]['summary']['phases'][ph]:.2f}" for name in names)] for ph in PHASES]
+        print_table(f"{shape}: where a step's time goes (median s)", ["phase", *names], phase_rows)
     write_json(a.out, results)
 
 

@@ -170,6 +170,9 @@ BAD = [
         "--max-staleness and --rollout-ranks need the engine's log-probs",
     ),
     (["--rollout-ranks", "1"], "--rollout-ranks 1 leaves no trainer rank (WORLD_SIZE=1)"),
+    (["--stream-rollouts"], "--stream-rollouts needs --rollout-ranks K >= 1 and --max-staleness S >= 1"),
+    (["--stream-rollouts", "--rollout", "hf"], "--stream-rollouts needs the vLLM engine: drop --rollout hf"),
+    (["--stream-rollouts", "--filter-groups"], "--stream-rollouts streams single-turn groups one by one"),
     (["--offload", "gpu"], "invalid choice: 'gpu'"),
     # the suite runs on CPUs: there, every offload is refused (tests/test_offload.py: with a GPU)
     (["--offload", "params"], "--offload params: it moves GPU memory to the CPU, and this machine has no CUDA GPU"),

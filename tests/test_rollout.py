@@ -186,6 +186,65 @@ def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
     )
 
 
+def run_stream(stream, steps=None):
+    """Step `stream` until it is empty (or `steps` times): {key: Rollout of its samples}."""
+    done = {}
+    while len(stream) and (steps is None or steps > 0):
+        done.update(stream.step())
+        steps = None if steps is None else steps - 1
+    return done
+
+
+def test_a_stream_samples_what_generate_samples(vllm_engine):
+    from vllm_engine import Stream
+
+    stream, n, kw = Stream(vllm_engine), 3, dict(temperature=0.7, top_p=1.0, top_k=-1, logprobs=True)
+    for i, prompt in enumerate(PROMPTS):
+        stream.submit(i, prompt, n, seed=10 + i, max_new_tokens=12, **kw)
+    done = run_stream(stream)
+    batch = vllm_engine.generate(PROMPTS, n=n, max_new_tokens=12, seeds=[10, 11, 12], **kw)
+    for i in range(len(PROMPTS)):  # the same seeds, the same samples and log-probs
+        assert done[i].response_ids == samples_of(batch, i, n) and done[i].logprobs == batch.logprobs[i * n : i * n + n]
+
+
+def test_a_stream_takes_new_weights_mid_answer(vllm_engine, model_path, ref_model):
+    """AReaL's interruptible generation: weights loaded while answers run. Each answer's tokens before the
+    load are the old weights', those after it the new weights' over the whole context (vLLM preempted the
+    answers and recomputed their KV cache), and each token's log-prob is of the weights that drew it."""
+    from vllm_engine import Stream
+
+    new = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stream, n, before = Stream(vllm_engine), 2, 5
+    prompts = [[1, 7, 8, 9, 5], [1, 4, 10, 5]]
+    for i, prompt in enumerate(prompts):
+        stream.submit(i, prompt, n, seed=i, max_new_tokens=40, temperature=1.0, top_p=1.0, top_k=-1, logprobs=True)
+    done = run_stream(stream, steps=before)  # one token per answer per step: `before` tokens each
+    stream.update_weights((name, p.detach()) for name, p in new.named_parameters())
+    assert len(stream) > 0  # answers were running when the weights changed
+    probe = stream.prompt_logprobs(PROMPTS[0])  # the weight check's probe, with answers in flight
+    expected = logprobs_from_logits(
+        reference_logits(new, PROMPTS[0][:1], PROMPTS[0][1:])[None], torch.tensor([PROMPTS[0][1:]]), 1.0
+    )[0]
+    torch.testing.assert_close(torch.tensor(probe), expected, atol=1e-4, rtol=0)
+    done.update(run_stream(stream))
+    assert sorted(done) == [0, 1] and all(len(done[i].response_ids) == n for i in done)
+    spanned = 0
+    for i, out in done.items():
+        for ids, lps in zip(out.response_ids, out.logprobs):
+            old = logprobs_from_logits(reference_logits(ref_model, prompts[i], ids)[None], torch.tensor([ids]), 1.0)[0]
+            now = logprobs_from_logits(reference_logits(new, prompts[i], ids)[None], torch.tensor([ids]), 1.0)[0]
+            k = min(before, len(ids))
+            torch.testing.assert_close(torch.tensor(lps[:k]), old[:k], atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(lps[k:]), now[k:], atol=1e-4, rtol=0)
+            spanned += len(ids) > before
+    assert spanned > 0  # some answers did run on across the load
+    vllm_engine.update_weights((name, p.detach()) for name, p in ref_model.named_parameters())  # shared engine
+
+
 def test_quiet_weight_sync_prints_nothing_but_real_warnings_get_through(vllm_engine, ref_model, capfd):
     # vllm_engine was built with verbose=False. vLLM's handler holds the stream it was configured
     # with, which pytest's capture of this test does not see; point it at this test's stderr.

@@ -85,16 +85,18 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("to", ["torchrun", "the rollout rank"])
-def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp_path, to):
+@pytest.mark.parametrize("to, stream", [("torchrun", False), ("the rollout rank", False), ("the rollout rank", True)])
+def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp_path, to, stream):
     """--rollout-ranks 1 --max-staleness 1: the trainer saves the step it finished with the rollout already
     made for the next one, tells the rollout rank to stop, and both exit; the same command finishes.
     SIGTERM to torchrun reaches both ranks; to the rollout rank alone (its node preempted), it passes the
-    request on with its next rollout. 12 steps: a SIGTERM after step 2 cannot land on the last one."""
+    request on with its next rollout (stream: its next groups). 12 steps: a SIGTERM after step 2 cannot
+    land on the last one."""
     import psutil
 
     flags = [*SMALL, "--max-steps", "12", "--test-freq", "-1", "--save-freq", "50", "--rollout", "hf"]
     flags += ["--rollout-ranks", "1", "--max-staleness", "1"]
+    flags += ["--stream-rollouts", "--rollout", "vllm"] if stream else []
     proc = start_and_wait_for_step(tmp_path, 2, *flags, ranks=2)
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train_grpo.py" in " ".join(p.cmdline())]
     rollout_rank = [p for p in ranks if p.environ().get("RANK") == "1"]
