@@ -315,7 +315,8 @@ class Trainers:
                         ask_to_stop(message["stop"])
                     for j, place, group, load in message["groups"]:
                         self.held.setdefault((r, j), []).append((place, group, load))
-                    spent = {k: spent.get(k, 0.0) + v for k, v in message["timing"].items()}
+                    for k, v in message["timing"].items():
+                        spent[k] = spent.get(k, 0.0) + v
                     gaps += [message["weight_sync_gap"]] if message["weight_sync_gap"] is not None else []
                 pieces = sorted(self.held.pop((r, step)), key=lambda piece: piece[0])  # in the step's order
                 parts, loads = parts + [g for _, g, _ in pieces], loads + [load for *_, load in pieces]
