@@ -1,20 +1,18 @@
 """Synchronous against asynchronous GRPO on 2 CPU ranks, side by side: samples/s and tokens/s, where
 each step's time goes, and the response lengths that benchmarks/async_model.py calibrates on.
 
-    python benchmarks/async_throughput.py                       # both shapes, about 15 min on 2 cores
-    python benchmarks/async_throughput.py --shapes multiply     # one
+    python benchmarks/async_throughput.py           # both shapes, 3 systems: about 45 min on 2 cores
+    python benchmarks/async_throughput.py --shapes multiply --systems sync,stream
 
-Shapes (SmolLM2-135M-Instruct, --dtype auto, vLLM; models/smollm2, data/multiply, data/gsm8k as README
-prepares them):
+Shapes (SmolLM2-135M-Instruct, --dtype auto, vLLM; models/smollm2, data/ as README prepares them):
   multiply  the README's SmolLM2 command: 8 prompts x 8 samples, answers up to 32 tokens (the update dominates)
   gsm8k     GSM8K prompts, 4 x 4 samples, answers up to 512 tokens (lengths vary most)
 Systems, each a fresh `torchrun --nproc_per_node=2 train_grpo.py`, the same prompts and seeds:
   sync    both ranks generate, then both train (--max-staleness 0): today's loop
   async   rank 1 only generates, rank 0 only trains, one step off-policy (--rollout-ranks 1 --max-staleness 1)
   stream  async, group by group, new weights loaded mid-answer (async + --stream-rollouts)
-A step is trainer rank 0's wall time (timing_s/step), the first --warmup left out. In async and stream,
-gen is the rollout rank's (overlapped), wait_rollout the trainer's wait for it, rollout_idle the rollout
-rank's for the weights. --out: every step, as JSON.
+A step: trainer rank 0's wall time, the first --warmup left out. Phases (async, stream): gen is the
+rollout rank's, rollout_idle its wait for weights, wait_rollout the trainer's. --out: every step, JSON.
 """
 
 import argparse
