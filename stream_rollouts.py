@@ -11,7 +11,7 @@ trains on its own prompts, in the usual order.
 
 Which version makes which sample now depends on timing: a resumed run goes on validly, not identically
 (the checkpoint's rollouts ahead are kept; groups in flight at the kill are made again). Validation sees
-exactly the version due: the engine first finishes what it runs, its only pause. vLLM only.
+exactly the version due: the engine first finishes what it runs (its only pause but the cap). vLLM only.
 """
 
 import queue
