@@ -42,6 +42,9 @@ def serve(placement, engine, *, args, total_steps, validate, rank, world, train_
     if not fresh:  # resumed: the checkpoint's weights first, before any group starts
         load_weights(bridge, stream, *take(arrived.get()), probe, args)
     todo = groups(train_rows, start["first"], total_steps, args=args, rank=rank, world=world)
+    share = args.prompt_batch_size // world  # groups running at most: a step's share, as lock-step runs at once
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=True)
+    sampling["max_new_tokens"] = args.max_response_length
     upcoming, running, timing = next(todo, None), {}, {}  # running: (step, place) -> [its version, loads since]
 
     def spent(what, since):
@@ -87,11 +90,9 @@ def serve(placement, engine, *, args, total_steps, validate, rank, world, train_
                 send_validation(bridge, validate(version, engine=stream), rank)  # a stream never sleeps
             bridge.flush(through=version)  # the groups of steps up to `version` were trained on, so taken
         t = time.perf_counter()
-        while upcoming and len(stream) < args.prompt_batch_size // world and upcoming[0] - 1 - S <= version:
+        while upcoming and len(stream) < share and upcoming[0] - 1 - S <= version:
             j, place, index, seed = upcoming
-            kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=True)
-            prompt = train_rows[index]["prompt_ids"]
-            stream.submit((j, place, index), prompt, n, seed, max_new_tokens=args.max_response_length, **kw)
+            stream.submit((j, place, index), train_rows[index]["prompt_ids"], n, seed, **sampling)
             running[j, place] = [version, 0]
             upcoming = next(todo, None)
         done = stream.step() if len(stream) else []

@@ -280,10 +280,10 @@ class Stream:
     def submit(self, key, prompt, n, seed, **sampling):
         """Sample n responses to `prompt` (token ids) with seeds seed*n .. seed*n + n - 1, as generate does."""
         self.ids += 1
-        request, budget = f"stream-{self.ids}", sampling.pop("max_new_tokens")
-        n_engine = 1 if sampling["temperature"] == 0 else n  # greedy: one sample, copied (as generate does)
+        request, n_engine = f"stream-{self.ids}", 1 if sampling["temperature"] == 0 else n  # greedy: 1, copied
+        budget, kw = sampling["max_new_tokens"], {k: v for k, v in sampling.items() if k != "max_new_tokens"}
         self.llm_engine.add_request(
-            request, {"prompt_token_ids": list(prompt)}, sampling_params(n_engine, budget, seed * n, **sampling)
+            request, {"prompt_token_ids": list(prompt)}, sampling_params(n_engine, budget, seed * n, **kw)
         )
         self.running[request] = (key, n // n_engine, sampling["logprobs"])
 
