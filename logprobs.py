@@ -58,10 +58,11 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         logp = z[label] - logsumexp(z)            H = logsumexp(z) - sum_j p_j z_j,   p = softmax(z)
         d logp / d z = onehot(label) - p         dH / d z = -p * (log p + H)
 
-    On CPU a block is 1 MiB of fp32 (512 x 512, a core's L2 cache here): it stays in cache between
-    the matmul that writes it and the passes of the softmax that read it. A block of whole rows of a
-    151,936 vocabulary (64 MiB) goes to memory and back for each pass, and each pass then cost
-    about as much as the matmul (BENCHMARKS.md). On GPUs a block is whole rows, few large kernels.
+    The blocks' shape is chosen by device (head_blocks). On CPU a block is 1 MiB of fp32 (512 x 512,
+    a core's L2 cache here): it stays in cache between the matmul that writes it and the passes of the
+    softmax that read it. On GPUs a block is every token of the micro-batch (up to 16k) by a slice of
+    the vocabulary: few large kernels, and in the backward each slice's weight gradient is written once
+    for all tokens (a vocabulary-major backward), added in place into the fp32 accumulator.
 
     The forward keeps, per token and vocabulary block b, the block's max m_b and, shifted by it,
     s_b = sum_j exp(z_j - m_b) and t_b = sum_j exp(z_j - m_b)(z_j - m_b), and combines them with
@@ -116,7 +117,7 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         a = None if g_entropy is None else -g_entropy.float()
         c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
         z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2)
-        for r in _spans(n, ctx.rows):
+        for r in _spans(n, ctx.rows):  # on GPUs one token block: each vocabulary slice's grad_w is written once
             for v in _spans(V, ctx.cols):
                 zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
                 g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
@@ -124,6 +125,7 @@ class _HeadLogProbEntropy(torch.autograd.Function):
                     g.mul_(c[r, None])
                 else:
                     g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
+                g = g if g.dtype == weight.dtype else g.to(weight.dtype)  # the matmuls in the inputs' dtype
                 if want_h:
                     _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
                 if want_w:
@@ -174,26 +176,39 @@ def _label_logits(hidden, weight, labels):
 
 
 def _add_product(out, a, b):
-    """out += a @ b: in place when all three are fp32, else the product in b's dtype."""
+    """out += a @ b, with out fp32 and a, b in the inputs' dtype: in place when all three are fp32,
+    and on CUDA for bf16 too (the matmul accumulates in fp32 and adds into out, no temporary); elsewhere
+    the bf16 product is added (a temporary of out's shape: small with CPU blocks)."""
     if out.dtype == a.dtype == b.dtype:
         out.addmm_(a, b)
+    elif out.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
-        out += (a.to(b.dtype) @ b).float()
+        out += (a @ b).float()
+
+
+def head_blocks(n, V, device):
+    """(rows, cols) of the fused head's blocks for n tokens and a V-entry vocabulary on `device`. CPU:
+    512 x 512, 1 MiB of fp32 that stays in a core's cache (measured best there, BENCHMARKS.md). GPUs:
+    all n tokens (up to 16,384) by as many vocabulary entries as make 2^26 logits (256 MiB of fp32;
+    4,096 entries for 16k tokens), a multiple of 256: few large kernels, and one block of tokens, so the
+    backward writes each vocabulary slice's weight gradient once (benchmarks/gpu_update.py measures
+    these against the older 2^24 / V tokens by the whole vocabulary)."""
+    if device.type == "cpu":
+        return 512, 512
+    rows = max(1, min(n, 2**14))
+    return rows, min(V, max(256, 2**26 // rows // 256 * 256))
 
 
 def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True):
     """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
     with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
     (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
-    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to 512 x 512 on CPU,
-    and on GPUs to whole vocabulary rows, about 16M logits per block (110 tokens for a 151,936-row
-    vocabulary)."""
-    V = weight.shape[0]
-    if hidden.device.type == "cpu":
-        rows, cols = rows or 512, cols or 512
-    else:
-        rows, cols = rows or max(1, 2**24 // V), cols or V
+    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to head_blocks' choice
+    for the device."""
     B, T = labels.shape
+    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device)
+    rows, cols = rows or default_rows, cols or default_cols
     logp, ent = _HeadLogProbEntropy.apply(
         hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy
     )

@@ -1,0 +1,192 @@
+"""The update's GPU choices, checked on the CPU: the fused head's GPU blocks give the same numbers as the
+full logits, the overflow check is the same bound with one device sync, FSDP2 on one rank keeps the
+gathered weights from forward to backward but never a stale copy, and the allocator switch."""
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import distributed  # noqa: E402
+import policy  # noqa: E402
+from logprobs import head_blocks, head_logprobs_entropy  # noqa: E402
+
+CUDA = torch.device("cuda")  # only a name here: head_blocks picks the blocks for it; nothing runs on it
+
+
+@pytest.mark.parametrize("n, V", [(16384, 151936), (300, 151936), (20000, 49152), (1, 10), (5000, 100)])
+def test_gpu_blocks_hold_every_token_and_a_vocabulary_slice_within_the_budget(n, V):
+    rows, cols = head_blocks(n, V, CUDA)
+    assert rows == min(n, 2**14) and 1 <= cols <= V
+    assert rows * cols <= 2**26 or cols == 256  # 256 MiB of fp32 logits per block
+    assert cols == V or cols % 256 == 0
+    assert head_blocks(n, V, torch.device("cpu")) == (512, 512)  # the CPU's, measured best there
+
+
+def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient():
+    """The GPU geometry, run here: 17,000 tokens are two token blocks (16,384 and an uneven 616) and a
+    4,500-entry vocabulary two slices (4,096 and 404), against log_softmax and the entropy of the full
+    fp64 logits: both outputs and both gradients to 1e-5 of their largest entry, or 1e-5 below 1 (the
+    softmax runs in fp32 in every geometry; the weight's gradient sums 17,000 tokens)."""
+    torch.manual_seed(0)
+    n, V, H = 17000, 4500, 4
+    rows, cols = head_blocks(n, V, CUDA)
+    assert (rows, cols) == (16384, 4096)
+    hidden = torch.randn(1, n, H, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(V, H, dtype=torch.float64) * 0.5).requires_grad_()
+    labels = torch.randint(0, V, (1, n))
+    g_logp, g_ent = torch.randn(1, n, dtype=torch.float64), torch.randn(1, n, dtype=torch.float64)
+    logp, ent = head_logprobs_entropy(hidden, weight, labels, 0.8, rows=rows, cols=cols)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    got = [logp, ent, hidden.grad, weight.grad]
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    z = h @ w.T / 0.8
+    logp_ref = torch.log_softmax(z, -1).gather(-1, labels[..., None])[..., 0]
+    ent_ref = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    ((logp_ref * g_logp).sum() + (ent_ref * g_ent).sum()).backward()
+    for a, b in zip(got, [logp_ref, ent_ref, h.grad, w.grad]):
+        tolerance = 1e-5 * max(1.0, b.abs().max().item())
+        assert (a.double() - b.detach()).abs().max().item() <= tolerance
+
+
+# ----------------------------------------------------------------------------------------------
+# The overflow check: the bound of the per-tensor version, one number to the host
+
+
+def per_tensor_bound(optimizer):
+    """The bound as the check computed it before, tensor by tensor (a host copy of each)."""
+    bound = 0.0
+    for group in optimizer.param_groups:
+        lr, wd = group["lr"], group.get("weight_decay", 0.0)
+        beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            t = float(state.get("step", 0)) + 1
+            big = [
+                float(x.abs().max()) if x is not None and x.numel() else 0.0 for x in (p, p.grad, state.get("exp_avg"))
+            ]
+            bound = max(bound, big[0] * abs(1 - lr * wd) + lr / (1 - beta1**t) * max(big[1], big[2]) / eps)
+    return bound
+
+
+def trained(opt_class, lr, **kw):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in ((5, 3), (7,), (0,), (4, 4))]
+    opt = opt_class(params, lr=lr, **kw)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    params[1].grad = None  # a parameter without a gradient this step is left out
+    return params, opt
+
+
+@pytest.mark.parametrize(
+    "opt_class, lr, kw, overflows",
+    [
+        (torch.optim.AdamW, 1e-3, dict(weight_decay=0.01), False),
+        (torch.optim.AdamW, 1e30, dict(weight_decay=0.01), True),  # 1e30 / eps 1e-8 x |m| > float32's max
+        (torch.optim.SGD, 1e-2, {}, False),
+        (torch.optim.SGD, 1e38, {}, True),
+    ],
+)
+def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypatch, opt_class, lr, kw, overflows):
+    params, opt = trained(opt_class, lr, **kw)
+    want = per_tensor_bound(opt) >= torch.finfo(torch.float32).max
+    calls, steps = [], {id(s["step"]) for s in opt.state.values() if "step" in s}  # foreach AdamW's: host counters
+
+    def counted(name, original):
+        def call(self, *a, **k):
+            if id(self) not in steps:
+                calls.append(name)
+            return original(self, *a, **k)
+
+        return call
+
+    for name in ("item", "cpu", "tolist", "__float__", "__bool__"):  # every way a value reaches the host
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    got = policy.update_may_overflow(opt)
+    monkeypatch.undo()
+    assert got == want == overflows
+    assert calls == ["item"], calls
+
+
+def test_the_overflow_check_sees_a_nan_and_an_optimizer_with_no_gradients():
+    params, opt = trained(torch.optim.AdamW, 1e-3)
+    assert not policy.update_may_overflow(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    opt.state[params[0]]["exp_avg"][0, 0] = float("nan")
+    assert policy.update_may_overflow(opt)
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 on one rank: gathered from forward to backward, never stale
+
+
+def one_rank_model(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m", TASK_WORDS))
+    return policy.shard(model, init_device_mesh("cpu", (1,)), torch.bfloat16)
+
+
+def test_one_rank_keeps_gathered_weights_to_the_backward_and_never_trains_on_a_stale_copy(tmp_path):
+    """With one rank a block's weights stay gathered after its forward (no second gather for the backward
+    or the shared prompts' second forward) and are resharded by the backward. A forward without a
+    backward (compute_logprobs: old log-probs, the weight-sync probe) reshards them itself: else an
+    optimizer step would leave the next forward the gathered copy of the weights before it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    model = one_rank_model(tmp_path)
+    try:
+        block = model.model.layers[0]
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 20, (5,), generator=g).tolist() for _ in range(2)]
+        responses = [torch.randint(3, 20, (4,), generator=g).tolist() for _ in range(2)]
+        batch = policy.make_batch(prompts, responses, pad_id=0)
+        view = policy.window(batch, [0, 1])
+        logp, _ = policy.response_logprobs(model, view, torch.device("cpu"), 1.0)
+        assert not isinstance(block.self_attn.q_proj.weight, DTensor)  # still gathered, for the backward
+        logp.sum().backward()
+        assert isinstance(block.self_attn.q_proj.weight, DTensor)  # the backward resharded it
+        how = dict(micro=2, max_tokens=0, temperature=1.0, device=torch.device("cpu"))
+        before = policy.compute_logprobs(model, batch, **how)
+        assert isinstance(block.self_attn.q_proj.weight, DTensor)
+        torch.optim.SGD(model.parameters(), lr=1.0).step()  # a large step: the log-probs must move
+        after = policy.compute_logprobs(model, batch, **how)
+        assert (after - before).abs().max() > 1e-3
+        fresh = policy.compute_logprobs(model, batch, **how)  # the same weights, gathered again
+        torch.testing.assert_close(after, fresh, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expandable_segments_switch_on_cuda_only_and_never_over_the_users_setting(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", seen.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    distributed.expandable_segments(torch.device("cpu"), True)
+    distributed.expandable_segments(CUDA, True)
+    distributed.expandable_segments(CUDA, False)
+    assert seen == ["expandable_segments:True", "expandable_segments:False"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    distributed.expandable_segments(CUDA, True)
+    assert len(seen) == 2
