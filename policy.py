@@ -210,6 +210,7 @@ def compute_logprobs(model, batch, *, micro, max_tokens, temperature, device):
         view = window(batch, rows)
         logp, _ = response_logprobs(model, view, device, temperature, entropy=False)
         out[rows, : logp.shape[1]] = logp.float().cpu()
+    reshard(model)
     return out
 
 
@@ -258,7 +259,8 @@ def shard(model, mesh, dtype=torch.float32, offload=False):
     parameters stay as loaded (fp32 master weights); with dtype bf16 FSDP2 casts them to bf16 as it
     gathers them for the forward and backward, and reduces gradients in fp32 (mixed precision, the
     same on CPU and GPU). offload=True (--offload params, CUDA only): the shards and their gradients
-    live in pinned CPU memory, and FSDP2 copies each block to the GPU as it gathers it."""
+    live in pinned CPU memory, and FSDP2 copies each block to the GPU as it gathers it. With one rank
+    and no offload the gathered weights stay from forward to backward (reshard)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
@@ -266,13 +268,28 @@ def shard(model, mesh, dtype=torch.float32, offload=False):
         if dtype == torch.bfloat16
         else MixedPrecisionPolicy()
     )
-    where = CPUOffloadPolicy() if offload else OffloadPolicy()
+    how = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=where)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=where)
+            fully_shard(module, reshard_after_forward=mesh.size() > 1 or offload, **how)
+    fully_shard(model, **how)  # the root (embeddings, head) is never resharded after forward: FSDP2's default
     return model
+
+
+def reshard(model):
+    """Free FSDP2's gathered copies of the weights. With one rank (and no --offload params, which gathers
+    one block at a time to save GPU memory) shard() keeps them from a block's forward to its backward,
+    which reshards them: gathering again for the second forward of shared prompts and for the backward
+    copies (and casts) the model twice more per micro-batch, where the shards free no memory. The cost:
+    the blocks' gathered weights all at once at the peak (bf16: 0.67 GiB for Qwen2.5-0.5B). A forward
+    without a backward (compute_logprobs) calls this itself: else the engine would wake without that
+    memory, and an optimizer step would leave the next forward a stale copy."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_parameters(model, dtype):
@@ -355,26 +372,54 @@ def update_may_overflow(optimizer):
         m' = beta1 m + (1 - beta1) g,   v' = beta2 v + (1 - beta2) g^2.
 
     |m'| <= max(|m|, |g|) and the denominator is >= eps, so |p'| <= max|p| |1 - lr wd| +
-    lr / (1 - beta1^t) * max(|m|, |g|) / eps. If that bound is finite every new weight is; it reaches
-    float32's range only for absurd learning rates (1e29 at eps 1e-8 and clipped gradients) or
-    weights already near overflow. An optimizer without betas (SGD, in tests) is bounded as plain
-    gradient descent, |p'| <= max|p| |1 - lr wd| + lr max|g|. A collective: every rank gets the same answer."""
-    zero = bound = torch.zeros((), dtype=torch.float64)
+    lr / (1 - beta1^t) * max(|m|, |g|) / eps, with t the smallest step count of the group (the largest
+    bound). If that bound is finite every new weight is; it reaches float32's range only for absurd
+    learning rates (1e29 at eps 1e-8 and clipped gradients) or weights already near overflow. An
+    optimizer without betas (SGD, in tests) is bounded as plain gradient descent, |p'| <= max|p| |1 - lr
+    wd| + lr max|g|. The maxima are one foreach kernel per kind of tensor, on the device, and one number
+    comes back to the host: one device sync per optimizer step. A collective: every rank gets the same
+    answer."""
+    bounds = []  # one 0-d tensor per param group, on its gradients' device
     for group in optimizer.param_groups:
         lr, wd = group["lr"], group.get("weight_decay", 0.0)
         beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state.get(p, {})
-            t = float(state.get("step", 0)) + 1
-            local = [x.to_local() if hasattr(x, "to_local") else x for x in (p, p.grad, state.get("exp_avg"))]
-            biggest = [x.detach().abs().max().double().cpu() if x is not None and x.numel() else zero for x in local]
-            step_bound = (
-                biggest[0] * abs(1 - lr * wd) + lr / (1 - beta1**t) * torch.maximum(biggest[1], biggest[2]) / eps
-            )
-            bound = torch.maximum(bound, step_bound)
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [optimizer.state.get(p, {}) for p in params]
+        grad = _max_abs([_local(p.grad) for p in params])  # [P], one entry per parameter
+        weight = _max_abs([_local(p) for p in params]).to(grad.device)
+        moment = _max_abs([_local(s.get("exp_avg")) for s in states]).to(grad.device)  # CPU with --offload optimizer
+        t = _smallest_step(states) + 1
+        bounds.append((weight * abs(1 - lr * wd) + lr / (1 - beta1**t) * torch.maximum(grad, moment) / eps).max())
+    first = _local(optimizer.param_groups[0]["params"][0])  # every rank joins the all_reduce, even with no gradients
+    bound = torch.stack(bounds).max() if bounds else torch.zeros((), dtype=torch.float64, device=first.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        bound = bound.to(optimizer.param_groups[0]["params"][0].device)
         dist.all_reduce(bound, op=dist.ReduceOp.MAX)
     return not bool(bound.item() < torch.finfo(torch.float32).max)
+
+
+def _local(x):
+    """A DTensor's shard on this rank; a plain tensor (or None) as it is."""
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def _max_abs(tensors):
+    """[max |x| for x in tensors] as a float64 vector on their device, 0 for None or an empty shard
+    (every non-empty one on one device); NaN propagates. One foreach kernel, no device sync."""
+    present = [x.detach() for x in tensors if x is not None and x.numel()]
+    device = present[0].device if present else torch.device("cpu")
+    norms = iter(torch._foreach_norm(present, ord=float("inf")) if present else [])
+    zero = torch.zeros((), device=device)
+    return torch.stack([next(norms) if x is not None and x.numel() else zero for x in tensors]).double()
+
+
+def _smallest_step(states):
+    """The smallest of AdamW's step counts in `states` (0 where a state is empty), without a device sync:
+    a number where they live on the CPU (foreach AdamW), a 0-d tensor on the GPU for fused AdamW."""
+    steps = [s["step"] for s in states if "step" in s]
+    if len(steps) < len(states) or not steps:
+        return 0
+    if torch.is_tensor(steps[0]) and steps[0].device.type != "cpu":
+        return torch.stack(steps).min().double()
+    return min(float(s) for s in steps)
