@@ -45,6 +45,17 @@ def init_distributed(timeout=600.0):
     return rank, world, device
 
 
+def expandable_segments(device, on):
+    """Switch CUDA's caching allocator to expandable segments (on) or back: a segment then grows in
+    place instead of a new one being reserved for each new size, so micro-batches whose shapes change
+    every step do not fragment the GPU's memory (torchtitan's and verl's trainers run so). The trainer
+    turns it on once its engine sleeps; a colocated vLLM engine turns it off while awake, as its
+    sleep-mode memory pool does not support it (verl switches the same way). Nothing happens off CUDA,
+    or where the user set PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) themselves."""
+    if device.type == "cuda" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+
+
 def is_peer_failure(error):
     """Whether an exception from a collective means another rank is gone or stuck: gloo's and
     nccl's timeouts, and a peer's closed connection."""

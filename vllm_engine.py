@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from distributed import expandable_segments
 from models import check_model_path
 from rollout import Rollout, per_prompt, sample_seeds
 
@@ -249,12 +250,15 @@ class VLLMEngine:
         self.llm.reset_prefix_cache(reset_running_requests=in_flight)  # its KV blocks came from the old weights
 
     def sleep(self):
-        """Free the GPU memory of weights (kept on CPU) and KV cache while training; CUDA only."""
+        """Free the GPU memory of weights (kept on CPU) and KV cache while training; CUDA only. The
+        trainer's allocator may use expandable segments again (distributed.expandable_segments)."""
         if self.on_cuda:
             self.llm.sleep(level=1)
+            expandable_segments(torch.device("cuda"), True)
 
     def wake_up(self):
         if self.on_cuda:
+            expandable_segments(torch.device("cuda"), False)  # vLLM's memory pool refuses them
             self.llm.wake_up()
 
     def close(self):
