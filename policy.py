@@ -260,7 +260,7 @@ def shard(model, mesh, dtype=torch.float32, offload=False):
     gathers them for the forward and backward, and reduces gradients in fp32 (mixed precision, the
     same on CPU and GPU). offload=True (--offload params, CUDA only): the shards and their gradients
     live in pinned CPU memory, and FSDP2 copies each block to the GPU as it gathers it. With one rank
-    and no offload the gathered weights stay from forward to backward (reshard)."""
+    on the CPU the gathered weights stay from forward to backward (reshard)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
@@ -269,22 +269,23 @@ def shard(model, mesh, dtype=torch.float32, offload=False):
         else MixedPrecisionPolicy()
     )
     how = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    one_cpu_rank = mesh.size() == 1 and mesh.device_type == "cpu"  # keep the gathered weights (reshard)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, reshard_after_forward=mesh.size() > 1 or offload, **how)
+            fully_shard(module, reshard_after_forward=not one_cpu_rank, **how)
     fully_shard(model, **how)  # the root (embeddings, head) is never resharded after forward: FSDP2's default
     return model
 
 
 def reshard(model):
-    """Free FSDP2's gathered copies of the weights. With one rank (and no --offload params, which gathers
-    one block at a time to save GPU memory) shard() keeps them from a block's forward to its backward,
-    which reshards them: gathering again for the second forward of shared prompts and for the backward
-    copies (and casts) the model twice more per micro-batch, where the shards free no memory. The cost:
-    the blocks' gathered weights all at once at the peak (bf16: 0.67 GiB for Qwen2.5-0.5B). A forward
-    without a backward (compute_logprobs) calls this itself: else the engine would wake without that
-    memory, and an optimizer step would leave the next forward a stale copy."""
+    """Free FSDP2's gathered copies of the weights. FSDP2 keeps the root's (embeddings, head) from a
+    forward to the backward, which reshards them, and shard() keeps every block's so with one rank on the
+    CPU (where gathering again for the shared prompts' second forward and the backward cost 4-6% of an
+    fp32 update; on one H100 it cost nothing measurable, and keeping them 0.67 GiB at the peak for
+    Qwen2.5-0.5B: BENCHMARKS.md). A forward without a backward (compute_logprobs) calls this itself:
+    else an optimizer step would leave the next forward the gathered copy of the old weights, and the
+    engine would wake without that memory."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
