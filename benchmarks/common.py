@@ -237,11 +237,11 @@ def busy_cpu_seconds():
     return busy, children.ru_utime + children.ru_stime
 
 
-def run_process(cmd, run_dir, threads, timeout=3600):
+def run_process(cmd, run_dir, threads, timeout=3600, env=None):
     """Run cmd in the repository with its output in run_dir/log.txt; returns (ok, last error line, other
     load). The other load is the share of the machine's cores that processes other than this run kept
     busy meanwhile: on 2 cores one busy neighbour stalls every OpenMP barrier of a 2-thread run, so
-    anything above a few percent means the timings of this run are disturbed."""
+    anything above a few percent means the timings of this run are disturbed. env: more variables."""
     # THP_MEM_ALLOC_ENABLE: train_grpo.py turns on torch's huge-page allocation for itself; TRL gets it
     # here too, so the comparison is between the trainers and not about an environment variable
     env = dict(
@@ -250,6 +250,7 @@ def run_process(cmd, run_dir, threads, timeout=3600):
         PYTHONUNBUFFERED="1",
         TOKENIZERS_PARALLELISM="false",
         THP_MEM_ALLOC_ENABLE="1",
+        **(env or {}),
     )
     (busy0, ours0), t0 = busy_cpu_seconds(), time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:

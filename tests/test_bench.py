@@ -118,3 +118,34 @@ def test_gpu_benchmark_splits_a_step_into_its_phases():
     assert gpu.peak({"records": [dict(rss_gb=1.0), dict(rss_gb=3.0)]}) == 3.0
     args = gpu.parse_args(["--like", "x", "--gsm8k", "y", "--skip", "trl", "--memory", "plain"])
     assert (args.steps, args.prompts, args.group_size, args.response_length) == (20, 16, 8, 128)
+
+
+@pytest.mark.slow
+def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_data):
+    """benchmarks/gpu_update.py --dry-run: a tiny model on the CPU through every stage, so the script a GPU
+    session runs in one call has run before. Each head geometry matches the materialised logits, every
+    update setting and the profile ran, and the CUDA paths' CPU stand-ins ran: grad checkpointing, LoRA,
+    and a run killed mid-update whose resume logs what the uninterrupted run logged, value for value."""
+    import json
+    import subprocess
+
+    from conftest import QWEN_DIR, need
+
+    need(QWEN_DIR)
+    out = tmp_path / "gpu_update.json"
+    cmd = [sys.executable, "benchmarks/gpu_update.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_data)]
+    cmd += ["--json", str(out), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert set(stages) == {"matmul", "head", "update", "ablations", "profile", "paths"}
+    for name, g in stages["head"]["geometries"].items():
+        assert "error" not in g and g["max_diff"]["logp"] < 1e-5 and g["max_diff"]["entropy"] < 1e-5, name
+        assert g["max_diff"]["grad_weight"] <= 0.01 * g["grad_scale"]["grad_weight"], name  # bf16's rounding
+    assert {"forward", "backward", "clip", "overflow", "step"} == set(stages["update"]["new"]["phases_s"])
+    assert all("update_s" in row for row in stages["ablations"].values()) and len(stages["ablations"]) == 7
+    assert stages["profile"]["new"]["top"] and stages["profile"]["old"]["top"]
+    paths = stages["paths"]
+    assert all(paths[k]["ok"] for k in ("grad-ckpt", "lora", "whole-a", "killed", "resumed")), paths
+    assert paths["killed"]["steps"] == [1] and paths["resumed"]["resumed_from_checkpoint"]
+    assert paths["resumed"]["steps"] == [1, 2, 3] and paths["resumed vs whole-a"]["differ"] == 0
