@@ -45,7 +45,6 @@ from distributed import (
     all_sum,
     all_sum_tensor,
     catch_stop_signals,
-    expandable_segments,
     full_tensor,
     init_distributed,
     print0,
@@ -253,15 +252,12 @@ def main():
     base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     if engine:
         engine.sleep()
-    expandable_segments(device, True)  # CUDA: the allocator grows segments in place as batch shapes change
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
     check_update_memory(
         args, policy, trained, world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib
     )
-    # fused on CUDA: one kernel for all of AdamW's tensors (foreach, the default, launches several per step)
-    cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, fused=cuda)
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise

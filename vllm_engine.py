@@ -170,6 +170,8 @@ class VLLMEngine:
             reload_logger.removeFilter(BENIGN_ROTARY_WARNING)
         else:
             reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
+        if self.on_cuda:
+            expandable_segments(torch.device("cuda"), False)  # vLLM's sleep-mode memory pool refuses them
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
             **kv_cache,
