@@ -42,18 +42,18 @@ def init_distributed(timeout=600.0):
     # on GPUs, nccl for CUDA tensors and gloo for CPU ones (--offload params keeps the shards in CPU memory)
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    expandable_segments(device, True)  # a colocated vLLM engine turns them off while it is awake
+    expandable_segments(True)  # a colocated vLLM engine turns them off while it is awake
     return rank, world, device
 
 
-def expandable_segments(device, on):
+def expandable_segments(on):
     """Switch CUDA's caching allocator to expandable segments (on) or back: a segment then grows in
     place instead of a new one being reserved for each new size, so micro-batches whose shapes change
     every step do not fragment the GPU's memory (torchtitan's and verl's trainers run so). On from
     init_distributed; a colocated vLLM engine turns it off from its start and whenever it wakes, on when
     it sleeps, as its sleep-mode memory pool does not support it (verl switches the same way). Nothing
     happens off CUDA, or where the user set PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) themselves."""
-    if device.type == "cuda" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+    if torch.cuda.is_available() and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
 
 

@@ -389,7 +389,7 @@ def update_may_overflow(optimizer):
             continue
         states = [optimizer.state.get(p, {}) for p in params]
         grad = _max_abs([_local(p.grad) for p in params])  # [P], one entry per parameter
-        weight = _max_abs([_local(p) for p in params]).to(grad.device)
+        weight = _max_abs([_local(p) for p in params])
         moment = _max_abs([_local(s.get("exp_avg")) for s in states]).to(grad.device)  # CPU with --offload optimizer
         t = _smallest_step(states) + 1
         bounds.append((weight * abs(1 - lr * wd) + lr / (1 - beta1**t) * torch.maximum(grad, moment) / eps).max())
@@ -419,7 +419,7 @@ def _smallest_step(states):
     """The smallest of AdamW's step counts in `states` (0 where a state is empty), without a device sync:
     a number where they live on the CPU (foreach AdamW), a 0-d tensor on the GPU for fused AdamW."""
     steps = [s["step"] for s in states if "step" in s]
-    if len(steps) < len(states) or not steps:
+    if len(steps) < len(states):
         return 0
     if torch.is_tensor(steps[0]) and steps[0].device.type != "cpu":
         return torch.stack(steps).min().double()

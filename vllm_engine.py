@@ -171,7 +171,7 @@ class VLLMEngine:
         else:
             reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
         if self.on_cuda:
-            expandable_segments(torch.device("cuda"), False)  # vLLM's sleep-mode memory pool refuses them
+            expandable_segments(False)  # vLLM's sleep-mode memory pool refuses them
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
             **kv_cache,
@@ -256,11 +256,11 @@ class VLLMEngine:
         trainer's allocator may use expandable segments again (distributed.expandable_segments)."""
         if self.on_cuda:
             self.llm.sleep(level=1)
-            expandable_segments(torch.device("cuda"), True)
+            expandable_segments(True)
 
     def wake_up(self):
         if self.on_cuda:
-            expandable_segments(torch.device("cuda"), False)  # vLLM's memory pool refuses them
+            expandable_segments(False)  # vLLM's memory pool refuses them
             self.llm.wake_up()
 
     def close(self):

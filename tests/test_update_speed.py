@@ -9,7 +9,10 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
+
+import gpu_update  # noqa: E402
 
 import distributed  # noqa: E402
 import policy  # noqa: E402
@@ -54,25 +57,8 @@ def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient():
 
 
 # ----------------------------------------------------------------------------------------------
-# The overflow check: the bound of the per-tensor version, one number to the host
-
-
-def per_tensor_bound(optimizer):
-    """The bound as the check computed it before, tensor by tensor (a host copy of each)."""
-    bound = 0.0
-    for group in optimizer.param_groups:
-        lr, wd = group["lr"], group.get("weight_decay", 0.0)
-        beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state.get(p, {})
-            t = float(state.get("step", 0)) + 1
-            big = [
-                float(x.abs().max()) if x is not None and x.numel() else 0.0 for x in (p, p.grad, state.get("exp_avg"))
-            ]
-            bound = max(bound, big[0] * abs(1 - lr * wd) + lr / (1 - beta1**t) * max(big[1], big[2]) / eps)
-    return bound
+# The overflow check: the decision of the per-tensor version (kept in benchmarks/gpu_update.py), one
+# number to the host
 
 
 def trained(opt_class, lr, **kw):
@@ -100,7 +86,7 @@ def trained(opt_class, lr, **kw):
 )
 def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypatch, opt_class, lr, kw, overflows):
     params, opt = trained(opt_class, lr, **kw)
-    want = per_tensor_bound(opt) >= torch.finfo(torch.float32).max
+    want = gpu_update.old_update_may_overflow(opt)  # the check as it was: a host copy per tensor
     calls, steps = [], {id(s["step"]) for s in opt.state.values() if "step" in s}  # foreach AdamW's: host counters
 
     def counted(name, original):
@@ -183,10 +169,13 @@ def test_expandable_segments_switch_on_cuda_only_and_never_over_the_users_settin
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", seen.append)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    distributed.expandable_segments(torch.device("cpu"), True)
-    distributed.expandable_segments(CUDA, True)
-    distributed.expandable_segments(CUDA, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    distributed.expandable_segments(True)
+    assert seen == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    distributed.expandable_segments(True)
+    distributed.expandable_segments(False)
     assert seen == ["expandable_segments:True", "expandable_segments:False"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    distributed.expandable_segments(CUDA, True)
+    distributed.expandable_segments(True)
     assert len(seen) == 2
