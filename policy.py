@@ -8,6 +8,8 @@ prompts, a GRPO group's n rows hold one prompt: the model runs it once and the n
 its KV cache (_forward_responses).
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -364,10 +366,16 @@ def reference_logprobs(policy, reference, batch, **how):
         return compute_logprobs(policy, batch, **how)
 
 
+MAX_GROWTH = 10  # an update that could move a weight by more than this x the largest weight is a divergence
+SMALL_WEIGHTS = 0.01  # the largest weight's magnitude counts as at least this (trainable weights that start at 0)
+
+
 @torch.no_grad()
 def update_may_overflow(optimizer):
-    """Whether optimizer.step() could make a weight non-finite, decided before the step, for torch's
-    AdamW (decoupled weight decay), whose update of each weight p with gradient g is
+    """Why optimizer.step() must be skipped, decided before the step, or None: it could make a weight
+    non-finite, or move one by more than MAX_GROWTH times the largest trainable weight's magnitude (a
+    divergence whose weights are still finite: --lr 1e30 once multiplied every weight by -1e28). For
+    torch's AdamW (decoupled weight decay) the update of each weight p with gradient g is
 
         p' = p (1 - lr wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps),
         m' = beta1 m + (1 - beta1) g,   v' = beta2 v + (1 - beta2) g^2.
@@ -375,12 +383,14 @@ def update_may_overflow(optimizer):
     |m'| <= max(|m|, |g|) and the denominator is >= eps, so |p'| <= max|p| |1 - lr wd| +
     lr / (1 - beta1^t) * max(|m|, |g|) / eps, with t the smallest step count of the group (the largest
     bound). If that bound is finite every new weight is; it reaches float32's range only for absurd
-    learning rates (1e29 at eps 1e-8 and clipped gradients) or weights already near overflow. An
-    optimizer without betas (SGD, in tests) is bounded as plain gradient descent, |p'| <= max|p| |1 - lr
-    wd| + lr max|g|. The maxima are one foreach kernel per kind of tensor, on the device, and one number
-    comes back to the host: one device sync per optimizer step. A collective: every rank gets the same
-    answer."""
-    bounds = []  # one 0-d tensor per param group, on its gradients' device
+    learning rates (1e29 at eps 1e-8 and clipped gradients) or weights already near overflow. The
+    change |p' - p| is at most lr (wd |p| + min(that step / lr, adam_step_bound)): about 7.3 lr with
+    verl's betas (lr at the first step), so the check trips at lr > 1.4 for weights of size 1 and at
+    lr > 0.014 for the smallest (SMALL_WEIGHTS), never at the usual 1e-6 to 1e-3. An optimizer
+    without betas (SGD, in tests) is bounded as plain gradient descent, lr (wd |p| + |g|). The maxima
+    are one foreach kernel per kind of tensor, on the device, and one number comes back to the host:
+    one device sync per optimizer step. A collective: every rank gets the same answer."""
+    bounds, changes, weights = [], [], []  # 0-d tensors, one per param group, on its gradients' device
     for group in optimizer.param_groups:
         lr, wd = group["lr"], group.get("weight_decay", 0.0)
         beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
@@ -392,12 +402,58 @@ def update_may_overflow(optimizer):
         weight = _max_abs([_local(p) for p in params])
         moment = _max_abs([_local(s.get("exp_avg")) for s in states]).to(grad.device)  # CPU with --offload optimizer
         t = _smallest_step(states) + 1
-        bounds.append((weight * abs(1 - lr * wd) + lr / (1 - beta1**t) * torch.maximum(grad, moment) / eps).max())
-    first = _local(optimizer.param_groups[0]["params"][0])  # every rank joins the all_reduce, even with no gradients
-    bound = torch.stack(bounds).max() if bounds else torch.zeros((), dtype=torch.float64, device=first.device)
+        step = lr / (1 - beta1**t) * torch.maximum(grad, moment) / eps  # [P] lr x the largest |Adam's step|
+        bounds.append((weight * abs(1 - lr * wd) + step).max())
+        changes.append((weight * lr * wd + step.clamp(max=lr * adam_step_bound(group.get("betas")))).max())
+        weights.append(weight.max())
+    if bounds:
+        maxima = torch.stack([torch.stack(x).max() for x in (bounds, changes, weights)])
+    else:  # every rank joins the all_reduce, even with no gradients
+        maxima = torch.zeros(3, dtype=torch.float64, device=_local(optimizer.param_groups[0]["params"][0]).device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bound, op=dist.ReduceOp.MAX)
-    return not bool(bound.item() < torch.finfo(torch.float32).max)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    bound, change, largest = maxima
+    # the one number the host sees: the change over the largest weight, inf if a weight could overflow (or NaN)
+    growth = torch.where(bound < torch.finfo(torch.float32).max, change / largest.clamp(min=SMALL_WEIGHTS), math.inf)
+    growth, lr = growth.item(), optimizer.param_groups[0]["lr"]
+    if not math.isfinite(growth):
+        return f"this update could make weights non-finite (lr {lr:.3g})"
+    if growth > MAX_GROWTH:
+        return f"this update could change weights by up to {growth:.3g}x their largest magnitude (lr {lr:.3g})"
+    return None
+
+
+def adam_step_bound(betas):
+    """The largest |m / sqrt(v)| of Adam's bias-corrected moments, whatever the gradients: by
+    Cauchy-Schwarz over m = (1 - b1) sum_k b1^k g_k and v = (1 - b2) sum_k b2^k g_k^2 (g_k: the
+    gradient k steps ago) it is
+    (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)), 7.27 for betas (0.9, 0.999), and 1 at the first step
+    (the bias corrections only lower it before the sum converges). Unbounded (inf) for SGD (no betas)
+    and for b1^2 >= b2, where a long run of growing gradients can make it as large as eps allows."""
+    if betas is None or betas[0] ** 2 >= betas[1]:
+        return math.inf
+    b1, b2 = betas
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1**2 / b2))
+
+
+def diverged_message(args, first, last, newest, checkpointer):
+    """What stops a run whose every update was skipped from step `first` to `last`. A skipped update
+    changes nothing, so `newest`, the checkpoint saved (or resumed from) last, holds the weights from
+    before the divergence. Waits for its background save, if any (a collective, as the stop is)."""
+    if checkpointer:
+        checkpointer.wait()
+    if newest is None:
+        go_on = "rerun with --allow-changed lr: with no checkpoint saved, that starts the run over"
+    elif args.resume == "auto":
+        go_on = f"rerun with --allow-changed lr: it resumes from {newest}"
+    else:
+        go_on = f"rerun with --allow-changed lr --resume {newest}"
+    return (
+        f"steps {first}-{last}: every update was skipped (a non-finite gradient, or an update that could make "
+        "weights non-finite or change them by orders of magnitude): training has diverged, and nothing of it was "
+        f"saved. Lower --lr (now {args.lr:g}) and {go_on}. If the metrics before step {first} already show the "
+        "divergence, start over instead, with a new --out-dir."
+    )
 
 
 def _local(x):

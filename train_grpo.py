@@ -60,6 +60,7 @@ from multi_turn import start_tools
 from policy import (
     compute_dtype,
     compute_logprobs,
+    diverged_message,
     load_policy,
     make_batch,
     micro_batches,
@@ -146,11 +147,9 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
             if not math.isfinite(grad_norm):
                 skipped += 1
                 print0(f"step {step}: gradient norm is {grad_norm}; skipping this optimizer step")
-            elif update_may_overflow(optimizer):  # a non-finite weight is never written, saved or synced
+            elif why := update_may_overflow(optimizer):  # a non-finite or runaway weight is never written or synced
                 skipped += 1
-                print0(
-                    f"step {step}: this update could make weights non-finite (lr {optimizer.param_groups[0]['lr']:.3g}); skipping it"
-                )
+                print0(f"step {step}: {why}; skipping it")
             elif args.offload == "optimizer":  # the moments visit the GPU for the step only
                 move_optimizer_states(optimizer, device)
                 optimizer.step()
@@ -416,12 +415,9 @@ def main():
 
         # ---- checkpoint: everything needed to continue this run exactly
         stop = should_stop(log.history, args.early_stop_metric, args.early_stop_patience)
-        if skipped_steps == MAX_SKIPPED_STEPS:  # nothing has changed since; the checkpoints hold finite weights
-            raise SystemExit(
-                f"steps {step - MAX_SKIPPED_STEPS + 1}-{step}: every update was skipped (a non-finite gradient, or an "
-                f"update that would make weights non-finite): training has diverged. Lower --lr (now {args.lr:g}); "
-                "to continue this run from its last checkpoint, rerun with --allow-changed lr."
-            )
+        if skipped_steps == MAX_SKIPPED_STEPS:  # nothing has changed since: the newest checkpoint is from before it
+            newest = checkpoint.step_dir(args.out_dir, saved) if saved > start_step else resume_from
+            raise SystemExit(diverged_message(args, step - MAX_SKIPPED_STEPS + 1, step, newest, checkpointer))
         done, asked = step, stop_requested(device)
         if checkpointer:
             checkpointer.poll()  # publish a finished background save now, not at the next save

@@ -4,6 +4,7 @@ a bad flag under torchrun. Each runs the real train_grpo.py under torchrun with 
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -136,16 +137,17 @@ def test_a_stopped_rank_ends_the_run_within_the_collective_timeout(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_diverging_run_skips_updates_saves_only_finite_weights_and_stops(tmp_path):
-    """--lr 1e30 with verl's weight decay: AdamW's first step puts weights near 1e29 and the next would
-    multiply them by 1 - lr x wd, past float32's range. Such updates are skipped, three skipped steps in
-    a row stop the run with a message, and nothing non-finite is saved (this run used to write inf into
-    final_model and print "saved the policy", exit 0)."""
+def test_a_diverging_run_skips_updates_saves_only_the_weights_before_it_and_stops(tmp_path):
+    """--lr 1e30 with verl's weight decay: AdamW's first step would multiply every weight by 1 - lr x wd =
+    -1e28. That is finite, so this run used to take it (and skip the next ones, which would overflow) and
+    keep a dead model: entropy ln 20 and gradient norm 0, even after a resume with a small lr. Now such
+    updates are skipped, three skipped steps in a row stop the run with a message that names the
+    checkpoint to resume from, every checkpoint holds the initial weights, and the resume it advises trains."""
     flags = [*SMALL, "--lr", "1e30", "--weight-decay", "0.01", "--max-steps", "8", "--test-freq", "-1"]
     proc = run(tmp_path / "run", *flags, "--save-freq", "1", "--rollout", "hf")
     assert proc.returncode != 0
     assert "every update was skipped" in proc.stderr and "Lower --lr" in proc.stderr, proc.stderr[-3000:]
-    assert "could make weights non-finite" in proc.stdout
+    assert "could change weights by up to" in proc.stdout
     assert not (tmp_path / "run" / "final_model").exists()
     logged = rows(tmp_path / "run")
     last = max(logged)
@@ -156,10 +158,20 @@ def test_a_diverging_run_skips_updates_saves_only_finite_weights_and_stops(tmp_p
 
     saved = sorted(int(p.name.split("_")[-1]) for p in (tmp_path / "run").glob("global_step_*"))
     assert saved == list(range(1, last))  # the step that stopped the run is logged, not saved
+    assert f"it resumes from {tmp_path / 'run' / f'global_step_{saved[-1]}'}." in proc.stderr, proc.stderr[-3000:]
+    initial = load_file(tmp_path / "run" / "tiny_model" / "model.safetensors")
     for step in saved:
         export.export(str(tmp_path / "run" / f"global_step_{step}"), str(tmp_path / f"exported{step}"))
         weights = load_file(tmp_path / f"exported{step}" / "model.safetensors")
-        assert all(torch.isfinite(t).all() for t in weights.values()), step
+        for name, w in weights.items():  # not one update was taken
+            torch.testing.assert_close(w.float(), initial[name].float(), rtol=0, atol=0, msg=f"{step} {name}")
+    flags = [*SMALL, "--lr", "5e-4", "--weight-decay", "0.01", "--max-steps", last + 2, "--test-freq", "-1"]
+    proc = run(tmp_path / "run", *map(str, flags), "--allow-changed", "lr", "--save-freq", "1", "--rollout", "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = rows(tmp_path / "run")
+    for s in (last, last + 1, last + 2):  # it learns again: the dead model had gradient norm 0, entropy ln 20
+        assert 0 < logged[s]["actor/grad_norm"] < 100 and not logged[s].get("actor/skipped_updates"), logged[s]
+        assert abs(logged[s]["actor/entropy"] - math.log(20)) > 1e-3, logged[s]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The update's GPU choices, checked on the CPU: the fused head's GPU blocks give the same numbers as the
-full logits, the overflow check is the same bound with one device sync, FSDP2 on one rank keeps the
-gathered weights from forward to backward but never a stale copy, and the allocator switch."""
+full logits, the overflow check is the same bound with one device sync (and with it skips an update far
+larger than the weights, never at a usual lr), FSDP2 on one rank keeps the gathered weights from forward
+to backward but never a stale copy, and the allocator switch."""
 
 import os
 import socket
@@ -75,18 +76,8 @@ def trained(opt_class, lr, **kw):
     return params, opt
 
 
-@pytest.mark.parametrize(
-    "opt_class, lr, kw, overflows",
-    [
-        (torch.optim.AdamW, 1e-3, dict(weight_decay=0.01), False),
-        (torch.optim.AdamW, 1e30, dict(weight_decay=0.01), True),  # 1e30 / eps 1e-8 x |m| > float32's max
-        (torch.optim.SGD, 1e-2, {}, False),
-        (torch.optim.SGD, 1e38, {}, True),
-    ],
-)
-def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypatch, opt_class, lr, kw, overflows):
-    params, opt = trained(opt_class, lr, **kw)
-    want = gpu_update.old_update_may_overflow(opt)  # the check as it was: a host copy per tensor
+def host_copies(monkeypatch, opt):
+    """policy.update_may_overflow(opt), and every copy of a tensor's value to the host it made."""
     calls, steps = [], {id(s["step"]) for s in opt.state.values() if "step" in s}  # foreach AdamW's: host counters
 
     def counted(name, original):
@@ -101,15 +92,112 @@ def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypat
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     got = policy.update_may_overflow(opt)
     monkeypatch.undo()
-    assert got == want == overflows
+    return got, calls
+
+
+@pytest.mark.parametrize(
+    "opt_class, lr, kw, overflows",
+    [
+        (torch.optim.AdamW, 1e-3, dict(weight_decay=0.01), False),
+        (torch.optim.AdamW, 1e30, dict(weight_decay=0.01), True),  # 1e30 / eps 1e-8 x |m| > float32's max
+        (torch.optim.SGD, 1e-2, {}, False),
+        (torch.optim.SGD, 1e38, {}, True),
+    ],
+)
+def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypatch, opt_class, lr, kw, overflows):
+    params, opt = trained(opt_class, lr, **kw)
+    want = gpu_update.old_update_may_overflow(opt)  # the check as it was: a host copy per tensor
+    got, calls = host_copies(monkeypatch, opt)
+    assert (got is not None) == want == overflows
+    assert got is None or got.startswith("this update could make weights non-finite"), got
     assert calls == ["item"], calls
 
 
 def test_the_overflow_check_sees_a_nan_and_an_optimizer_with_no_gradients():
     params, opt = trained(torch.optim.AdamW, 1e-3)
-    assert not policy.update_may_overflow(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    assert policy.update_may_overflow(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])) is None
     opt.state[params[0]]["exp_avg"][0, 0] = float("nan")
-    assert policy.update_may_overflow(opt)
+    assert "non-finite" in policy.update_may_overflow(opt)
+
+
+def first_step(lr, wd, scale=1.0, opt_class=torch.optim.AdamW, largest_grad=None):
+    """An optimizer before its first step, over weights of magnitude up to `scale`, with small gradients
+    (about 1e-3) and, if given, one of `largest_grad` (1: the most a gradient clipped to norm 1 can hold)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter((torch.rand(*s) * 2 - 1) * scale) for s in ((64, 32), (32,))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    if largest_grad is not None:
+        params[0].grad[0, 0] = largest_grad
+    return params, opt_class(params, lr=lr, weight_decay=wd)
+
+
+def test_an_update_far_larger_than_the_weights_is_skipped_with_one_host_copy(monkeypatch):
+    """--lr 1e30 with weight decay: AdamW's first step would multiply every weight by 1 - lr x wd = -1e28
+    and add about lr, all finite in float32, so the overflow bound alone let it through and the run saved a
+    dead model. The change is bounded by lr (wd max|w| + 1) at the first step, 1e30 times the weights."""
+    params, opt = first_step(1e30, 0.01)
+    got, calls = host_copies(monkeypatch, opt)
+    assert got is not None and got.startswith("this update could change weights by up to"), got
+    assert "1e+30" in got and calls == ["item"], (got, calls)
+    before = [p.detach().clone() for p in params]
+    opt.step()  # what the check foresaw: finite, and 1e28 times the weights
+    assert all(torch.isfinite(p).all() and p.abs().max() > 1e27 * b.abs().max() for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-4, 1e-3])
+@pytest.mark.parametrize("wd", [0.0, 0.01, 0.1])
+def test_usual_learning_rates_never_trip_the_check(lr, wd):
+    """AdamW's first step (|m / sqrt(v)| = 1 exactly), a later one after gradients that grew 1000-fold (the
+    moments' ratio near its bound), and SGD, over weights as large as a norm's (1) and as small as a LoRA
+    adapter's (0.01, or 0 for its B matrix): each would move a weight by at most 0.73 x the largest
+    one (7.3e-3, lr 1e-3 x the bound 7.27, over 0.01), far below MAX_GROWTH."""
+    for scale in (1.0, 0.01, 0.0):
+        params, opt = first_step(lr, wd, scale, largest_grad=1.0)
+        assert policy.update_may_overflow(opt) is None
+        for k in range(100):
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3 * 1.07**k)
+            opt.step()
+        assert policy.update_may_overflow(opt) is None
+        sgd = first_step(lr, wd, scale, torch.optim.SGD, largest_grad=1.0)[1]
+        assert policy.update_may_overflow(sgd) is None
+
+
+def test_adams_step_stays_within_its_bound_whatever_the_gradients():
+    """p' = p (1 - lr wd) - lr s with |s| <= adam_step_bound at every step: here for 300 steps of
+    gradients whose scale jumps by up to 1e9 or vanishes, and of gradients that grow by b2 / b1 each
+    step, the case that reaches the bound (once the bias corrections are near 1: with betas (0.5, 0.9)
+    within 300 steps; (0.9, 0.999) would take thousands)."""
+    torch.manual_seed(0)
+    assert policy.adam_step_bound((0.9, 0.999)) == pytest.approx(7.27, abs=0.01)
+    assert policy.adam_step_bound((0.9, 0.8)) == policy.adam_step_bound(None) == float("inf")
+    for b1, b2 in ((0.9, 0.999), (0.5, 0.9)):
+        lr, wd, bound = 1e-2, 0.1, policy.adam_step_bound((b1, b2))
+        p = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, betas=(b1, b2))
+        for k in range(300):
+            jumping = torch.randn(500, dtype=torch.float64) * 10.0 ** torch.randint(-6, 4, (500,)) * (k % 5 > 0)
+            p.grad = torch.cat([jumping, torch.full((500,), (b2 / b1) ** k, dtype=torch.float64)])
+            before = p.detach().clone()
+            opt.step()
+            s = (before * (1 - lr * wd) - p.detach()).abs() / lr  # [1000] |m / (sqrt(v) + eps)|, bias-corrected
+            assert s.max() <= bound + 1e-9, (b1, b2, k)
+    assert s[500:].min() > 0.99 * bound  # (0.5, 0.9): 1.86, reached by the growing gradients' step
+
+
+def test_the_stop_after_skipped_updates_names_the_checkpoint_to_resume_from_or_says_it_starts_over():
+    """The checkpoint saved (or resumed from) last holds the weights from before the skipped updates."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(lr=1e30, resume="auto")
+    said = policy.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
+    assert said.startswith("steps 4-6: every update was skipped") and "Lower --lr (now 1e+30)" in said
+    assert "rerun with --allow-changed lr: it resumes from runs/x/global_step_3." in said
+    assert "with no checkpoint saved, that starts the run over" in policy.diverged_message(args, 1, 3, None, None)
+    args.resume = "never"  # a rerun with --resume never would be refused: it must ask for this checkpoint
+    said = policy.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
+    assert "rerun with --allow-changed lr --resume runs/x/global_step_3." in said
 
 
 # ----------------------------------------------------------------------------------------------
