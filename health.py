@@ -17,6 +17,8 @@ import re
 
 import numpy as np
 
+FIRST_STEP = "perf/first_step_after_start"  # marks each process's first step: its time includes the start-up
+
 
 @dataclasses.dataclass
 class Bands:
@@ -144,8 +146,8 @@ class Monitor:
                 "zero_adv",
                 f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn",
             )
-        times = [r["timing_s/step"] for r in recent]
-        if len(times) >= 5 and row["timing_s/step"] > b.step_time_jump * np.median(times):
+        times = [r["timing_s/step"] for r in recent if not r.get(FIRST_STEP)]
+        if len(times) >= 5 and not row.get(FIRST_STEP) and row["timing_s/step"] > b.step_time_jump * np.median(times):
             yield (
                 "step_time",
                 f"timing_s/step {row['timing_s/step']:.3g} s is {row['timing_s/step'] / np.median(times):.1f}x its recent median {np.median(times):.3g} s (band: < {b.step_time_jump}x)",

@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from health import Monitor, non_finite, parse_bands, train_reward_near, val_keys
+from health import FIRST_STEP, Monitor, non_finite, parse_bands, train_reward_near, val_keys
 
 
 def read_run(run_dir):
@@ -222,7 +222,7 @@ def stability(rows, train, monitor, b):
         )
     )
     skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
-    out.append(("skipped (non-finite) updates", str(skipped), "healthy" if skipped == 0 else "problem", "0"))
+    out.append(("skipped updates (non-finite or runaway)", str(skipped), "healthy" if skipped == 0 else "problem", "0"))
     broken = [(r["step"], non_finite(r)) for r in rows if non_finite(r)]
     value = f"{len(broken)} of {len(rows)} logged rows" + (
         f"; first at step {broken[0][0]}: {', '.join(broken[0][1][:4])}" if broken else ""
@@ -252,7 +252,7 @@ def update_size(train, b):
 
 def efficiency(rows, train, monitor, b):
     """Step time and its spikes, throughput and where a step's time goes, peak memory."""
-    t = column(train, "timing_s/step")
+    t = column([r for r in train if not r.get(FIRST_STEP)] or train, "timing_s/step")  # without start-ups
     head, tail_t = t[1 : max(len(t) // 10, 2)], t[-max(len(t) // 10, 1) :]
     slow = tail_t.mean() > b.step_time_jump * np.median(head) if len(head) else False
     spikes = monitor.fired.get("step_time", 0)

@@ -24,16 +24,18 @@ import torch
 
 from advantage import zero_std_fraction
 from distributed import all_gather, all_sum, print0, reduce_metrics
+from health import FIRST_STEP
 from memory import memory_gb
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
 
 
-def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated, extras, group_size):
+def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated, extras, group_size, device=None):
     """Metrics of this rank's rollout: scores and advantages [N], response_lengths [N] (every token after
     the prompt, a tool's too, as verl counts them), prompt_lens [N], truncated [N] bools, extras: the
-    reward's extra keys (reward.score_responses)."""
+    reward's extra keys (reward.score_responses). Per-token advantages (a token-level estimator) are
+    averaged over every rank's tokens (`device` for the sum), as they would be on one rank."""
     metrics = {}
     columns = dict(score=torch.tensor(scores, dtype=torch.float), advantages=advantages.float())
     lengths = torch.tensor(response_lengths, dtype=torch.float)
@@ -47,6 +49,10 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
                 f"{prefix}/min": values.min().item(),
             }
         )
+    if device is not None and len(advantages) != len(scores):  # per token: ranks hold different token counts
+        metrics["critic/advantages/mean"] = all_sum(advantages.double().sum().item(), device) / max(
+            all_sum(len(advantages), device), 1
+        )
     metrics["response_length/clip_ratio"] = float(np.mean(truncated))
     metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
     for key, values in extras.items():
@@ -56,27 +62,32 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
     return metrics
 
 
-def engine_gap_metrics(trainer_logp, engine_logp, mask, off_policy=False):
+def token_mean(values, device):
+    """The mean of `values` (a 1-d tensor: this rank's tokens) over every rank's tokens; 0 without any."""
+    return all_sum(values.double().sum().item(), device) / max(all_sum(values.numel(), device), 1)
+
+
+def engine_gap_metrics(trainer_logp, engine_logp, mask, device, off_policy=False):
     """How far the engine's sampling distribution is from the trained policy, on the sampled tokens
     (verl's training/rollout_*): log-probs [N, R] from each, mask [N, R]. off_policy (--max-staleness):
-    the engine's are the behaviour policy's and the trainer's the proximal one's; adds rollout_corr/*."""
-    gap = (trainer_logp - engine_logp).abs() * mask
-    prob_gap = (trainer_logp.exp() - engine_logp.exp()).abs() * mask
+    the engine's are the behaviour policy's and the trainer's the proximal one's; adds rollout_corr/*.
+    Means are over every rank's tokens (ranks hold different token counts), so 1 and 2 ranks log the same."""
+    tokens = mask.bool()
+    log_w = (trainer_logp - engine_logp)[tokens]  # [tokens] log pi_trainer - log pi_engine
+    prob_gap = (trainer_logp.exp() - engine_logp.exp())[tokens].abs()
     metrics = {
-        "training/rollout_probs_diff_max": prob_gap.max().item(),
-        "training/rollout_probs_diff_mean": (prob_gap.sum() / mask.sum().clamp(min=1)).item(),
-        "training/rollout_logprob_diff_max": gap.max().item(),
+        "training/rollout_probs_diff_max": prob_gap.max().item() if log_w.numel() else 0.0,
+        "training/rollout_probs_diff_mean": token_mean(prob_gap, device),
+        "training/rollout_logprob_diff_max": log_w.abs().max().item() if log_w.numel() else 0.0,
     }
     if not off_policy:
         return metrics
     # the decoupled loss's importance weights pi_prox / pi_behav before the cap, and KL(behav || prox), from
     # the behaviour policy's samples: k1 = E[log pi_behav - log pi_prox], k3 = E[w - 1 - log w]
-    tokens = mask.bool()
-    log_w = (trainer_logp - engine_logp)[tokens]
-    metrics["rollout_corr/is_weight/mean"] = log_w.exp().mean().item() if log_w.numel() else 1.0
+    metrics["rollout_corr/is_weight/mean"] = token_mean(log_w.exp(), device) if log_w.numel() else 1.0
     metrics["rollout_corr/is_weight/max"] = log_w.exp().max().item() if log_w.numel() else 1.0
-    metrics["rollout_corr/kl"] = (-log_w).mean().item() if log_w.numel() else 0.0
-    metrics["rollout_corr/k3_kl"] = (log_w.exp() - 1 - log_w).mean().item() if log_w.numel() else 0.0
+    metrics["rollout_corr/kl"] = token_mean(-log_w, device)
+    metrics["rollout_corr/k3_kl"] = token_mean(log_w.exp() - 1 - log_w, device)
     return metrics
 
 
@@ -102,7 +113,7 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
     lengths = [len(ids) for ids in ro.response_ids]
     metrics = {"actor/lr": lr, **loss_metrics(stats, device), **ro.filter_metrics}
     metrics.update(
-        rollout_metrics(ro.scores, adv_values, lengths, prompt_lens, ro.truncated, ro.extras, args.group_size)
+        rollout_metrics(ro.scores, adv_values, lengths, prompt_lens, ro.truncated, ro.extras, args.group_size, device)
     )
     if ro.turns:
         from multi_turn import turn_counts, turn_metrics  # not at the top: multi_turn -> rollout -> run_log
@@ -113,7 +124,7 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
     if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
         metrics["reward/errors"] = all_sum(sum(ro.extras["reward_error"]), device)
     if args.engine_logprobs:
-        metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask, off_policy=args.max_staleness > 0))
+        metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask, device, off_policy=args.max_staleness > 0))
     metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
     tokens = sum(lengths) + sum(prompt_lens)
     metrics["perf/total_num_tokens"] = all_sum(tokens, device)  # prompt + response tokens, all ranks
@@ -173,6 +184,7 @@ class RunLog:
     def __init__(self, out_dir, config, loggers, monitor, rank, wandb_project="", wandb_run_name=""):
         self.out_dir, self.loggers, self.monitor, self.rank = out_dir, loggers, monitor, rank
         self.history = []  # every logged row; checkpoints carry it, so a resumed run's metrics.jsonl is whole
+        self.timed = False  # whether this process has logged a training step yet (the first includes start-up)
         self.bar = self.wandb = self.tensorboard = None
         if rank != 0:
             return
@@ -218,7 +230,11 @@ class RunLog:
 
     def log(self, step, metrics, histograms=None):
         """Record one step (step 0: the validation before training). histograms: {name: this rank's
-        values}, gathered from every rank for TensorBoard. Call on every rank."""
+        values}, gathered from every rank for TensorBoard. Call on every rank. The first training step of
+        each process (a new or a resumed run) is marked perf/first_step_after_start: its time includes the
+        start-up, so the health checks leave it out."""
+        if "timing_s/step" in metrics and not self.timed:
+            metrics, self.timed = {**metrics, FIRST_STEP: 1.0}, True
         self.history.append(dict(step=step, **metrics))
         for warning in self.monitor.update(self.history[-1]):  # the same on every rank: metrics are reduced
             self.write(f"health: {warning}")

@@ -1,6 +1,7 @@
 """Whether two runs logged the same numbers: every field of metrics.jsonl, step by step, except the
 ones that measure time or the machine (timing_s/*, perf/throughput and perf/max_memory_allocated_gb,
-which is the process's peak memory on CPU). A restructure that keeps behaviour passes it.
+which is the process's peak memory on CPU) or where a process started (perf/first_step_after_start: a
+resumed run has one more). A restructure that keeps behaviour passes it.
 
     torchrun --nproc_per_node=1 train_grpo.py --max-steps 30 --out-dir runs/before   # at the old commit
     torchrun --nproc_per_node=1 train_grpo.py --max-steps 30 --out-dir runs/after    # at the new one
@@ -10,7 +11,7 @@ which is the process's peak memory on CPU). A restructure that keeps behaviour p
 import json
 import sys
 
-MACHINE = ("timing_s/", "perf/throughput", "perf/max_memory_allocated_gb")
+MACHINE = ("timing_s/", "perf/throughput", "perf/max_memory_allocated_gb", "perf/first_step_after_start")
 
 
 def records(run_dir):

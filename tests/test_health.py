@@ -262,7 +262,7 @@ def test_report_of_a_collapsing_run_names_its_problems(tmp_path):
         "KL to the reference (actor/kl_loss)": "problem",
         "grad norm (actor/grad_norm)": "problem",
         "advantages": "problem",
-        "skipped (non-finite) updates": "problem",
+        "skipped updates (non-finite or runaway)": "problem",
         "step time (timing_s/step)": "problem",
     }
     assert {k: got[k] for k in expected} == expected, got
@@ -292,3 +292,23 @@ def test_eval_report_command(tmp_path, capsys):
     assert "| mean and max <= 0.01 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no metrics.jsonl here"):
         evaluate.main(["report", str(tmp_path / "nothing")])
+
+
+def test_a_resumed_runs_first_step_with_its_start_up_is_not_a_slow_step(tmp_path):
+    """Each process's first step includes its start-up (the engine's warm-up): train_grpo marks it
+    perf/first_step_after_start, and neither the live check nor the report judges its time."""
+    rows = [{"step": 0, VAL: 0.1}]
+    for s in range(1, 21):
+        start = s in (1, 20)  # a new run, and the same run resumed for its last step
+        rows.append(step_row(s, **({"timing_s/step": 6.0, health.FIRST_STEP: 1.0} if start else {})))
+    rows[-1][VAL] = 0.45
+    assert feed(health.Monitor(health.Bands(), 20), rows) == []
+    write_run(tmp_path / "run", rows)
+    path, _ = report.write_report(str(tmp_path / "run"))
+    assert verdicts(open(path).read())["step time (timing_s/step)"] == "healthy"
+    for row in rows:  # unmarked, the same times are a spike and a slow end
+        row.pop(health.FIRST_STEP, None)
+    assert any("timing_s/step 6 s is 6.0x" in w for w in feed(health.Monitor(health.Bands(), 20), rows))
+    write_run(tmp_path / "unmarked", rows)
+    path, _ = report.write_report(str(tmp_path / "unmarked"))
+    assert verdicts(open(path).read())["step time (timing_s/step)"] == "problem"
