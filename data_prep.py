@@ -16,9 +16,14 @@ One row per problem, in the columns verl's own data scripts write (so their file
 """
 
 import argparse
+import functools
 import glob
 import os
 import re
+import signal
+import threading
+import time
+import warnings
 
 import pyarrow.parquet as pq
 
@@ -101,7 +106,7 @@ def read_parquet(path):
     return table.to_pylist()
 
 
-def load_dataset(path, skip_invalid=False, known_sources=None):
+def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None):
     """Read a parquet file, or a directory of parquet shards, in verl's schema into a list of row
     dicts, checking every row.
 
@@ -110,6 +115,9 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
     `known_sources`: the data_sources that have a reward (the trainer passes reward.BUILTIN_SOURCES
     when no --reward-fn is given), so a row nothing can score fails here, not at the training step
     that first samples it. None: any data_source.
+    `schemas`: the loaded tools' (tools.start_tools; [] without --tools), which each row's
+    extra_info.tools_kwargs must fit (tools.kwargs_problems): its tools loaded, its arguments theirs.
+    None: not checked.
     Extra columns (verl writes some for other tasks) are kept as they are.
     """
     files = parquet_files(path)
@@ -120,11 +128,15 @@ def load_dataset(path, skip_invalid=False, known_sources=None):
         where += [(file, i) for i in range(len(file_rows))]
     if not rows:
         raise DataError(f"{path}: has no rows")
+    if schemas is not None:
+        import tools  # here, not at the top: this file's command line needs no tools
     good, bad = [], []
     for i, row in enumerate(rows):
         problems = _row_problems(row)
         if known_sources is not None and not problems and row["data_source"] not in known_sources:
             problems.append(("data_source", f"no built-in reward for {row['data_source']!r}"))
+        if schemas is not None:
+            problems += tools.kwargs_problems(row.get("extra_info"), schemas)
         if problems:
             file, j = where[i]
             at = f"row {j}" if file == path else f"{file}, row {j}"
@@ -153,9 +165,11 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     generation prompt; with `schemas`, the tools: tools.render_prompt) into row["prompt_ids"]. Rows
     whose prompt is longer than max_prompt_length tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
     so is a tokenizer without a chat template (checked before the data is read). Prompts with
-    words the tokenizer does not know (its unk token) are counted and reported, not dropped."""
+    words the tokenizer does not know (its unk token) are counted and reported, not dropped.
+    From here on, each of the tokenizer's renders is bounded in time (bound_chat_template)."""
     check_chat_template(tokenizer)
-    rows = load_dataset(path, known_sources=known_sources)
+    bound_chat_template(tokenizer)
+    rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [])  # [] (no --tools): no tools_kwargs
     for row in rows:
         if schemas:  # the tools' schemas without the arguments the row passes itself (verl's tools_kwargs)
             import tools
@@ -188,6 +202,66 @@ def check_chat_template(tokenizer):
         f"model directory {tokenizer.name_or_path!r}: the tokenizer has no chat_template, and the prompts are chat "
         "messages rendered with it. Use a chat (instruct) model, or give this one a template: a Jinja template "
         'in chat_template.jinja in the model directory, or as the "chat_template" string in its tokenizer_config.json'
+    )
+
+
+# A chat template is code from the model directory. transformers runs it in Jinja's sandbox, which keeps
+# it from Python's internals and the files, but not from looping: two nested {% for %} over range(100000)
+# are 10^10 steps, hours of a run that hangs saying nothing. So we bound each render. Qwen2.5's template
+# renders a conversation in 0.2 ms (2,048 of them in one call in 0.4 s, on a 2-core CPU), so this is far
+# beyond an honest template, even in the reward model's one call for a rank's whole batch.
+CHAT_TEMPLATE_SECONDS = 30
+
+
+def bound_chat_template(tokenizer):
+    """From now on, tokenizer.apply_chat_template raises a DataError naming the template's file and the
+    limit when one call renders for more than CHAT_TEMPLATE_SECONDS, for every caller (the prompts here,
+    tools.py's renders and token deltas, the reward model's conversations). Returns the tokenizer.
+
+    Bounded: renders on the main thread, which are all of ours (a SIGALRM interrupts the Python that
+    Jinja compiled the template to; the timer and handler in place before are restored after).
+    Not bounded: a render on another thread, where signals cannot reach (it warns, then renders);
+    and a single C call that is slow, which no template we know makes (memory is not bounded either)."""
+    if not isinstance(vars(tokenizer).get("apply_chat_template"), functools.partial):  # not bounded yet
+        tokenizer.apply_chat_template = functools.partial(bounded_render, tokenizer, chat_template_source(tokenizer))
+    return tokenizer
+
+
+def chat_template_source(tokenizer):
+    """Where the tokenizer's chat template comes from, for messages: the model directory's
+    chat_template.jinja (where transformers 5 saves it), or its tokenizer_config.json's "chat_template"."""
+    folder = tokenizer.name_or_path
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return os.path.join(folder, "chat_template.jinja")
+    if os.path.isdir(folder):
+        return f'{os.path.join(folder, "tokenizer_config.json")}\'s "chat_template"'
+    return f'the chat template of {folder!r} (its chat_template.jinja or tokenizer_config.json\'s "chat_template")'
+
+
+def bounded_render(tokenizer, source, *args, **kwargs):
+    """The tokenizer class's own apply_chat_template(*args, **kwargs), stopped with a DataError naming
+    `source` after CHAT_TEMPLATE_SECONDS (bound_chat_template)."""
+    render = type(tokenizer).apply_chat_template
+    if threading.current_thread() is not threading.main_thread():  # signal handlers run on the main thread only
+        warnings.warn(f"{source}: a chat template rendered off the main thread is not bounded in time", stacklevel=2)
+        return render(tokenizer, *args, **kwargs)
+    handler = signal.signal(signal.SIGALRM, functools.partial(template_timed_out, source))
+    before, interval = signal.setitimer(signal.ITIMER_REAL, CHAT_TEMPLATE_SECONDS)
+    start = time.monotonic()
+    try:
+        return render(tokenizer, *args, **kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        if before:  # a timer was running: it gets what it had left (fires at once if that ran out meanwhile)
+            signal.setitimer(signal.ITIMER_REAL, max(before - (time.monotonic() - start), 1e-6), interval)
+
+
+def template_timed_out(source, signum, frame):
+    raise DataError(
+        f"{source}: the chat template rendered for more than {CHAT_TEMPLATE_SECONDS} s and was stopped (a chat "
+        "template renders in milliseconds: does it loop?). It is code from the model directory: fix it, or replace "
+        "it with the template of the model this one was fine-tuned from (the limit: data_prep.CHAT_TEMPLATE_SECONDS)"
     )
 
 

@@ -43,8 +43,11 @@ def check_reward_model(path):
 
 def load_reward_model(path, mesh, device, dtype=torch.float32):
     """(FSDP2-sharded frozen model computing in `dtype`, its tokenizer) from a directory saved by
-    save_pretrained, after check_reward_model. Never runs code from the directory (trust_remote_code=False)."""
+    save_pretrained, after check_reward_model. Never runs code from the directory (trust_remote_code=False).
+    Its chat template is code from the directory too: each render stops past a time limit (bound_chat_template)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from data_prep import bound_chat_template
 
     check_reward_model(path)
     try:
@@ -61,7 +64,7 @@ def load_reward_model(path, mesh, device, dtype=torch.float32):
     # even when a conversation ends with the pad token itself (pad = eos is common).
     model.config.pad_token_id = -1
     model.requires_grad_(False).eval()
-    return shard(model.to(device), mesh, dtype), tokenizer
+    return shard(model.to(device), mesh, dtype), bound_chat_template(tokenizer)
 
 
 def render(tokenizer, rows, texts):

@@ -121,6 +121,9 @@ class ToolWorker(Worker):
 
     what = "tool worker"
 
+    def waiting_on(self, request):  # "tool calculator (calculator.py)": what a rank stopped mid-call names
+        return f"tool {request[0]} ({os.path.basename(self.setup[0].partition(':')[0])})"
+
 
 def start_tools(spec, timeout=30.0):
     """The tools of --tools `spec`, loaded in a worker process of their own: (worker, schemas), one JSON
@@ -189,6 +192,50 @@ def row_kwargs(tools_kwargs, name):
     return dict(kwargs)
 
 
+def kwargs_problems(extra_info, schemas):
+    """What is wrong with a row's extra_info.tools_kwargs for the loaded tools (their `schemas`; [] when
+    --tools is not set), as data_prep's row checks give it: (field, message) pairs, empty if it is usable.
+    It must be {tool: {argument: value}}, or verl's nested form, as row_kwargs reads them, naming loaded
+    tools and their arguments: else an unknown tool's argument would stay in the schema the model sees
+    and never be passed, and an argument the tool does not take would fail every call as bad_arguments."""
+    if not isinstance(extra_info, dict):
+        wrong = extra_info is not None and schemas  # no tools: nothing reads it (load_prompts would)
+        return [("extra_info", f"expected a dict, got {extra_info!r:.80}")] if wrong else []
+    field, tools_kwargs = "extra_info.tools_kwargs", extra_info.get("tools_kwargs")
+    if tools_kwargs and not isinstance(tools_kwargs, dict):
+        return [(field, f"expected a dict of tool name -> {{argument: value}}, got {tools_kwargs!r:.80}")]
+    # None or {} passes nothing (parquet gives None for a tool that only other rows of the file name)
+    named = {name: kwargs for name, kwargs in (tools_kwargs or {}).items() if kwargs}
+    if named and not schemas:
+        told = f"passes arguments to the tools {sorted(named)}, but --tools is not set, so no tool would get them"
+        return [(field, f"{told}; pass --tools with those tools, or leave tools_kwargs out of the data")]
+    params = {
+        s["function"]["name"]: list((s["function"].get("parameters") or {}).get("properties", {})) for s in schemas
+    }
+    problems = []
+    for name, kwargs in named.items():
+        if name not in params:
+            problems.append((f"{field}.{name}", f"no tool {name!r} is loaded; --tools gives {sorted(params)}"))
+            continue
+        parts = {f"{field}.{name}": kwargs}
+        if isinstance(kwargs, dict) and set(kwargs) <= VERL_LIFECYCLE:  # verl's nested form, as row_kwargs reads it
+            parts = {f"{field}.{name}.{k}": v for k, v in kwargs.items() if v}
+            for k in [k for k in parts if not k.endswith(("create_kwargs", "execute_kwargs"))]:
+                del parts[k]  # calc_reward_kwargs, release_kwargs
+                told = "verl's tool classes take it for their calc_reward or release; a tool here is a function"
+                problems.append((k, f"{told}, given only create_kwargs and execute_kwargs: nothing would use it"))
+        for at, part in parts.items():
+            if not isinstance(part, dict):
+                problems.append((at, f"expected a dict of argument -> value, got {part!r:.80}"))
+                continue
+            problems += [
+                (f"{at}.{arg}", f"{name} takes no argument {arg!r}; its arguments: {params[name]}")
+                for arg in part
+                if arg not in params[name]
+            ]
+    return problems
+
+
 def row_schemas(schemas, tools_kwargs):
     """`schemas` without the parameters the row passes itself (row_kwargs): the model need not see, nor
     guess, what the tool is given anyway (the ground truth, say)."""
@@ -214,15 +261,16 @@ def run_calls(calls, worker, tools_kwargs=None, timeout=10.0, max_chars=4000):
     (row_kwargs), passed to the tools besides the model's arguments, which cannot override them."""
     valid = [c for c in calls if c.problem is None]
     requests = [(c.name, c.arguments, row_kwargs(tools_kwargs, c.name), max_chars) for c in valid]
-    replies = iter(worker.call(requests, timeout=timeout))
+    replies = iter(zip(worker.call(requests, timeout=timeout), worker.dropped))
     messages, statuses = [], []
     for call in calls:
         if call.problem is not None:
             status, text = "malformed", f"error: {call.problem}"
         else:
-            value, problem = next(replies)
+            (value, problem), dropped = next(replies)
             if problem is None:
                 status, text = value
+                status = "truncated" if dropped and status == "ok" else status  # it printed past OUTPUT_CAP
             elif problem.startswith(TIMED_OUT):
                 status, text = "timeout", f"error: {call.name} did not return within {timeout:g} s and was stopped"
             else:  # it crashed or ended its worker process

@@ -1,7 +1,10 @@
 """data_prep.py: the loader that names the file, row and field at fault, and prompts through the
 tokenizer. (Each task's rows, and the CLI that writes them: test_tasks.py.)"""
 
+import json
 import os
+import signal
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -190,3 +193,193 @@ def test_prompts_with_words_the_tokenizer_lacks_are_counted_and_the_first_shown(
     capsys.readouterr()
     data_prep.load_prompts(test, task_words)
     assert "unknown token" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# A chat template that loops: code from the model directory, stopped past CHAT_TEMPLATE_SECONDS
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 steps: hours
+
+
+def looping_model(folder, in_config=False):
+    """The tiny model with LOOP before its chat template: in chat_template.jinja, or (in_config) in
+    tokenizer_config.json's "chat_template" instead (the older place, which transformers still reads)."""
+    from models import build_tiny_model
+
+    model = build_tiny_model(str(folder), TASK_WORDS)
+    jinja = os.path.join(model, "chat_template.jinja")
+    with open(jinja) as f:
+        template = LOOP + f.read()
+    if in_config:
+        os.remove(jinja)
+        config_path = os.path.join(model, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = dict(json.load(f), chat_template=template)
+        jinja, template = config_path, json.dumps(config)
+    with open(jinja, "w") as f:
+        f.write(template)
+    return model
+
+
+def fail_the_test(signum, frame):
+    raise AssertionError("the chat template was not stopped")
+
+
+@pytest.fixture
+def guard(monkeypatch):
+    """A short CHAT_TEMPLATE_SECONDS (30 s in a run), and a timer of our own running meanwhile: it fails
+    a test whose render is never stopped, and the bounded renders must leave it, and its handler, as they
+    were (a render saves and restores them)."""
+    monkeypatch.setattr(data_prep, "CHAT_TEMPLATE_SECONDS", 0.25)
+    before = signal.signal(signal.SIGALRM, fail_the_test)
+    signal.setitimer(signal.ITIMER_REAL, 120)
+    try:
+        yield
+        assert signal.getsignal(signal.SIGALRM) is fail_the_test and 0 < signal.getitimer(signal.ITIMER_REAL)[0] < 120
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_chat_template_that_loops_is_stopped_at_every_render_naming_its_file(tmp_path, guard):
+    from transformers import AutoTokenizer
+
+    import reward_model
+    import tools
+
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=5)
+    model = looping_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stopped = f"{model}/chat_template.jinja: the chat template rendered for more than 0.25 s and was stopped"
+    renders = [  # load_prompts bounds the tokenizer for the rest of the run: every later render, whoever calls it
+        lambda: data_prep.load_prompts(str(tmp_path / "data" / "test.parquet"), tokenizer),
+        lambda: tokenizer.apply_chat_template(GOOD["prompt"], add_generation_prompt=True),
+        lambda: tools.render_prompt(tokenizer, GOOD["prompt"], []),  # prompts with --tools, and token deltas
+        lambda: reward_model.render(tokenizer, [GOOD] * 4, ["2"] * 4),
+    ]
+    for render in renders:
+        start = time.monotonic()
+        with pytest.raises(DataError) as err:
+            render()
+        assert time.monotonic() - start < 10
+        assert stopped in str(err.value) and "(the limit: data_prep.CHAT_TEMPLATE_SECONDS)" in str(err.value)
+
+
+def test_a_looping_template_in_tokenizer_config_json_is_named_there_and_ends_the_trainer(tmp_path, guard):
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=5)
+    model = looping_model(tmp_path / "model", in_config=True)
+    test = str(tmp_path / "data" / "test.parquet")
+    args = argparse.Namespace(  # what train_grpo.py passes: its data, as the trainer loads it
+        reward_fn="", train_data=test, val_data=test, max_prompt_length=64, val_max_prompts=-1, prompt_batch_size=1
+    )
+    with pytest.raises(SystemExit) as end:
+        data_prep.load_data(args, AutoTokenizer.from_pretrained(model))
+    where = f'{model}/tokenizer_config.json\'s "chat_template"'
+    assert str(end.value).startswith(f"{where}: the chat template rendered for more than 0.25 s and was stopped")
+
+
+def test_a_bounded_template_renders_as_before_and_off_the_main_thread_says_it_is_not_bounded(tmp_path, guard):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from models import build_tiny_model
+
+    write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=5)
+    test = str(tmp_path / "data" / "test.parquet")
+    model = build_tiny_model(str(tmp_path / "model"), TASK_WORDS)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    unbounded = [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for row in load_dataset(test)
+    ]
+    for _ in range(2):  # the training data, then the validation data: bounded once
+        rows, _ = data_prep.load_prompts(test, tokenizer)
+        assert [row["prompt_ids"] for row in rows] == unbounded
+    bounded = tokenizer.apply_chat_template
+    assert bounded.func is data_prep.bounded_render and bounded.args == (tokenizer, f"{model}/chat_template.jinja")
+    # signals reach the main thread only: a render on another thread (none of ours) is not stopped, and says so
+    with pytest.warns(UserWarning, match="chat_template.jinja: a chat template rendered off the main thread is not"):
+        with ThreadPoolExecutor(1) as pool:
+            text = pool.submit(tokenizer.apply_chat_template, GOOD["prompt"], tokenize=False).result()
+    assert text == "<bos><|user|> 1 + 1? "
+
+
+# ----------------------------------------------------------------------------------------------
+# extra_info.tools_kwargs: checked against the loaded tools (--tools) when the data loads
+
+
+def check(answer: str, ground_truth: str) -> str:
+    """Check an answer.
+
+    Args:
+        answer: The model's answer.
+        ground_truth: The right answer, which the row passes itself.
+    """
+    return "right" if answer == ground_truth else "wrong"
+
+
+def with_tools_kwargs(tmp_path, tools_kwargs, name="tools.parquet"):
+    return write_rows(tmp_path, [dict(GOOD, extra_info={"index": 0, "tools_kwargs": tools_kwargs})], name)
+
+
+def test_tools_kwargs_must_name_a_loaded_tool_and_its_arguments(tmp_path):
+    import tools
+
+    schemas = [tools.tool_schema("tests/test_data_prep.py", "check", check)]
+    for good in ({"check": {"ground_truth": "2"}}, {"check": {"create_kwargs": {"ground_truth": "2"}}}):  # verl's too
+        path = with_tools_kwargs(tmp_path, good)
+        (row,) = load_dataset(path, schemas=schemas)
+        (shown,) = tools.row_schemas(schemas, row["extra_info"]["tools_kwargs"])
+        assert list(shown["function"]["parameters"]["properties"]) == ["answer"]  # the row passes the rest
+    at = "extra_info.tools_kwargs"
+    bad = [  # (tools_kwargs, the field named, what was expected)
+        ({"calc": {"expression": "1+1"}}, f"{at}.calc", "no tool 'calc' is loaded; --tools gives ['check']"),
+        (
+            {"check": {"truth": "2"}},
+            f"{at}.check.truth",
+            "no argument 'truth'; its arguments: ['answer', 'ground_truth']",
+        ),
+        ({"check": {"create_kwargs": {"truth": "2"}}}, f"{at}.check.create_kwargs.truth", "no argument 'truth'"),
+        ({"check": "2"}, f"{at}.check", "expected a dict of argument -> value, got '2'"),
+        ({"check": {"create_kwargs": "2"}}, f"{at}.check.create_kwargs", "expected a dict of argument -> value"),
+        ({"check": {"release_kwargs": {"ground_truth": "2"}}}, f"{at}.check.release_kwargs", "nothing would use it"),
+        ("check", at, "expected a dict of tool name -> {argument: value}, got 'check'"),
+    ]
+    for i, (tools_kwargs, field, expected) in enumerate(bad):
+        path = with_tools_kwargs(tmp_path, tools_kwargs, f"bad{i}.parquet")
+        with pytest.raises(DataError) as err:
+            load_dataset(path, schemas=schemas)
+        assert f"{path}: 1 of 1 rows are invalid:\n  row 0, field {field}: " in str(err.value)
+        assert expected in str(err.value)
+    # a bad row is a row error like the others: skip_invalid drops it
+    mixed = write_rows(
+        tmp_path, [dict(GOOD, extra_info={"tools_kwargs": {"check": {"truth": "2"}}}), GOOD], "mixed.parquet"
+    )
+    assert len(load_dataset(mixed, skip_invalid=True, schemas=schemas)) == 1
+
+
+def test_prompts_check_tools_kwargs_against_the_tools_or_their_absence(tmp_path):
+    from transformers import AutoTokenizer
+
+    from models import build_tiny_model
+
+    path = with_tools_kwargs(tmp_path, {"check": {"ground_truth": "2"}})
+    assert len(load_dataset(path)) == 1  # schemas=None: not checked (reading the data, not training on it)
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))
+    with pytest.raises(DataError) as err:
+        data_prep.load_prompts(path, tokenizer)  # what the trainer and eval.py do without --tools
+    assert f"{path}: 1 of 1 rows are invalid:\n  row 0, field extra_info.tools_kwargs: " in str(err.value)
+    assert "passes arguments to the tools ['check'], but --tools is not set" in str(err.value)
+    assert len(data_prep.load_prompts(write_rows(tmp_path, [GOOD], "plain.parquet"), tokenizer)[0]) == 1
+    import tools
+
+    schemas = [tools.tool_schema("tests/test_data_prep.py", "check", check)]
+    with pytest.raises(DataError, match=r"row 0, field extra_info.tools_kwargs.calc: no tool 'calc' is loaded"):
+        data_prep.load_prompts(
+            with_tools_kwargs(tmp_path, {"calc": {"x": "1"}}, "calc.parquet"), tokenizer, schemas=schemas
+        )
