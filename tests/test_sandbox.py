@@ -1,10 +1,16 @@
 """examples/tools/python_exec.py: the `python` tool runs model-written code in a child process and
 returns what it printed, or the limit it hit. Each test puts small limits on one call (run() below),
-so a runaway program costs a second or two. As root, the code runs as nobody (UNPRIVILEGED_UID)."""
+so a runaway program costs a second or two. As root, the code runs as nobody (UNPRIVILEGED_UID).
+Its files are confined (a private root) where this machine allows it; the tests of that skip elsewhere."""
 
+import glob
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -13,7 +19,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "tools", "python_exec.py")
 spec = importlib.util.spec_from_file_location("python_exec", PATH)
 python_exec = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(python_exec)
+os.environ["PYTHON_EXEC_UNCONFINED"], unconfined = "1", os.environ.get("PYTHON_EXEC_UNCONFINED")
+spec.loader.exec_module(python_exec)  # loaded without its refusal at import (tested below), then restored
+os.environ.pop("PYTHON_EXEC_UNCONFINED") if unconfined is None else os.environ.update(PYTHON_EXEC_UNCONFINED=unconfined)
+CONFINEMENT_PROBLEM = python_exec._confinement_problem() if sys.platform.startswith("linux") else "not Linux"
+needs_confinement = pytest.mark.skipif(CONFINEMENT_PROBLEM is not None, reason=f"{CONFINEMENT_PROBLEM}")
 
 
 def run(code, **limits):
@@ -23,8 +33,11 @@ def run(code, **limits):
         "wall_seconds": 6,  # well past 1 s of CPU even on a busy 2-core machine
         "memory_bytes": 256 * 2**20,
         "file_bytes": 2**20,
+        "disk_bytes": 4 * 2**20,
+        "disk_files": 100,
         "output_bytes": 1000,
         "uid": python_exec.UNPRIVILEGED_UID if os.geteuid() == 0 else None,
+        "confine": CONFINEMENT_PROBLEM is None,  # where it cannot be, the other limits are tested without
     } | limits
     return python_exec._run_python(code, **limits)
 
@@ -46,9 +59,10 @@ def test_an_infinite_loop_hits_the_cpu_time_limit():
 
 
 def test_sleeping_hits_the_wall_clock_limit():
-    # a sleep uses no CPU: this process kills it
-    assert run("print('zzz', flush=True)\nimport time\ntime.sleep(60)", wall_seconds=1) == (
-        "zzz\ntime limit of 1 s exceeded (wall clock)"
+    # a sleep uses no CPU: this process kills it. (3 s, not 1: the clock also counts Python's start and the
+    # private root's mounts, which took over a second on a 2-core machine running 6 processes)
+    assert run("print('zzz', flush=True)\nimport time\ntime.sleep(60)", wall_seconds=3) == (
+        "zzz\ntime limit of 3 s exceeded (wall clock)"
     )
 
 
@@ -144,6 +158,115 @@ def test_no_process_is_left_behind(code):
 def test_as_root_the_code_runs_as_nobody():
     output = run("import os\nprint(os.getuid(), os.getgid(), os.getgroups())\nopen('/etc/hosts', 'a')")
     assert output == "65534 65534 []\nPermissionError: [Errno 13] Permission denied: '/etc/hosts'"
+
+
+@needs_confinement
+def test_the_code_cannot_read_the_machines_files(tmp_path):
+    # not by permissions (as root the old sandbox read a root-only file): the files are not in its root
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    secret.chmod(0o600)
+    root_dir = tempfile.mkdtemp(dir="/root") if os.geteuid() == 0 and os.path.isdir("/root") else None
+    paths = [str(secret), "/etc/passwd", "/proc/self/environ", "/sys/kernel", "/home", "/dev/shm"]
+    if root_dir:
+        shutil.copy(secret, f"{root_dir}/secret.txt")
+        paths.append(f"{root_dir}/secret.txt")
+    code = f"import os\nfor p in {paths!r}:\n    print(os.path.exists(p), end=' ')\nprint(open({paths[-1]!r}).read())"
+    try:
+        output = run(code)
+    finally:
+        if root_dir:
+            shutil.rmtree(root_dir)
+    assert output == "False " * len(paths) + f"\nFileNotFoundError: [Errno 2] No such file or directory: {paths[-1]!r}"
+
+
+@needs_confinement
+def test_files_written_outside_the_working_directory_stay_in_the_sandbox():
+    marker = f"python_exec_test_{os.getpid()}_{time.time_ns()}"
+    code = (
+        f"for d in ['/tmp', '/dev/shm']:\n    try:\n        open(d + '/{marker}', 'w').write('x')\n"
+        "        print(d, 'written')\n    except OSError as e:\n        print(d, type(e).__name__)"
+    )
+    try:
+        output = run(code)
+        left = [p for p in (f"/tmp/{marker}", f"/dev/shm/{marker}") if os.path.exists(p)]
+    finally:
+        for path in glob.glob(f"/tmp/{marker}") + glob.glob(f"/dev/shm/{marker}"):
+            os.remove(path)
+    assert left == []
+    assert output == "/tmp written\n/dev/shm FileNotFoundError\n"  # its /tmp is its own; it has no /dev/shm
+
+
+@needs_confinement
+def test_filling_the_disk_stops_at_the_total_limit():
+    # RLIMIT_FSIZE is per file: many 1 MiB files once filled the machine's RAM through /dev/shm
+    marker = f"python_exec_test_{os.getpid()}_{time.time_ns()}"
+    code = (
+        f"for i in range(64):\n    open(f'/tmp/{marker}_{{i}}', 'wb').write(bytes(2**20))\n    print(i + 1, flush=True)"
+    )
+    try:
+        output = run(code)
+        left = glob.glob(f"/tmp/{marker}*")
+    finally:
+        for path in glob.glob(f"/tmp/{marker}*"):
+            os.remove(path)
+    *written, note = output.splitlines()
+    assert note == "disk limit of 4 MiB or 100 files exceeded (OSError: [Errno 28] No space left on device)"
+    assert 1 <= len(written) <= 4 and left == []
+    # so is the number of files, even empty ones
+    output = run("import os\nfor i in range(10**6):\n    os.mkdir(str(i))")
+    note, made = output.rsplit(" ", 1)  # made: "'77')", the directory it could not make
+    assert note == "disk limit of 4 MiB or 100 files exceeded (OSError: [Errno 28] No space left on device:"
+    assert 50 <= int(made.strip("')")) < 100  # the sandbox's own directories count
+    # and nothing of it is mounted here: the sandbox's mounts live and die in its own mount namespace
+    with open("/proc/self/mountinfo") as f:
+        assert "python_exec_" not in f.read()
+
+
+@needs_confinement
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="as root: anyone else runs all above so")
+def test_as_an_unprivileged_user_it_confines_through_a_user_namespace(tmp_path):
+    # root makes a mount namespace directly, anyone else first a user namespace: as user 1000 in a user
+    # namespace of util-linux's unshare, the tool takes that path (root outside still, so no fork tests here)
+    code = f"import os\nprint(os.getuid(), os.path.exists({str(tmp_path)!r}))\nopen('/tmp/x', 'wb').write(bytes(5 * 2**20))"
+    tool = f"import sys\nsys.path.insert(0, {os.path.dirname(PATH)!r})\nimport python_exec as p\n"
+    limits = "p._limits() | {'disk_bytes': 4 * 2**20, 'file_bytes': 8 * 2**20}"
+    command = ["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c"]
+    result = subprocess.run(
+        [*command, f"{tool}print(p._run_python({code!r}, **{limits}))"], capture_output=True, text=True
+    )
+    disk = "disk limit of 4 MiB or 1000 files exceeded (OSError: [Errno 28] No space left on device)"
+    assert (result.stdout, result.stderr) == (f"1000 False\n{disk}\n", "")
+
+
+def test_without_confinement_the_tool_refuses_unless_told(monkeypatch, tmp_path):
+    # a machine without user namespaces, simulated: the tool must not quietly run the code unconfined
+    monkeypatch.setattr(python_exec, "_confinement_problem", lambda: "unshare: Operation not permitted (simulated)")
+    monkeypatch.delenv("PYTHON_EXEC_UNCONFINED", raising=False)
+    with pytest.raises(RuntimeError, match=r"refusing .*\(simulated\)\. .* PYTHON_EXEC_UNCONFINED=1 runs it anyway"):
+        python_exec.python("print('ran')")
+    # the opt-out runs it, and gives up what the message says: the code reads this user's files
+    monkeypatch.setenv("PYTHON_EXEC_UNCONFINED", "1")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    assert python_exec.python(f"print(open({str(secret)!r}).read())") == "hunter2\n"
+
+
+def test_without_confinement_loading_it_as_a_tool_stops_the_run_at_its_start(monkeypatch, tmp_path):
+    """--tools examples/tools/python_exec.py on such a machine: the load fails with the refusal, rather than
+    the run training on a tool whose every call is an error."""
+    import tools
+
+    source = open(PATH).read()
+    marker = "# Loaded as a tool (--tools)"
+    assert source.count(marker) == 1
+    simulated = "_confinement_problem = lambda: 'unshare: Operation not permitted (simulated)'\n"
+    (tmp_path / "python_exec.py").write_text(source.replace(marker, simulated + marker))
+    monkeypatch.delenv("PYTHON_EXEC_UNCONFINED", raising=False)
+    with pytest.raises(RuntimeError, match=r"refusing .*\(simulated\)\. .* PYTHON_EXEC_UNCONFINED=1 runs it anyway"):
+        tools.load_tools(str(tmp_path / "python_exec.py"))
+    monkeypatch.setenv("PYTHON_EXEC_UNCONFINED", "1")
+    assert sorted(tools.load_tools(str(tmp_path / "python_exec.py"))) == ["python"]
 
 
 def test_its_json_schema():
