@@ -115,8 +115,9 @@ VALIDATION_STEP = -1  # validation's seeds: the same at every validation, apart 
 
 def sampling_seeds(seed, step, first, count):
     """One seed per prompt from (run seed, step, the prompt's place in the global batch: first, first
-    + 1, ...), so a prompt's samples depend neither on how the batch is split over ranks nor on the
-    other prompts, and a resumed run draws what the uninterrupted one drew."""
+    + 1, ...), so a prompt's seeds depend neither on how the batch is split over ranks nor on the other
+    prompts, and a resumed run draws what the uninterrupted one drew. (Its samples also follow the
+    engine's floats, which can move by ~1e-6 nats with what else shares the engine's batch.)"""
     return [(seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]
 
 
@@ -224,7 +225,7 @@ def collect_rollout(
     further batches of prompts are generated until prompt_batch_size informative groups are held, or
     --max-gen-batches ran out: then the step trains on what it has, its informative groups repeated to
     fill the batch (each counts more; filter/* says so). The groups are dealt out to the ranks in their
-    global order, so 1 and 2 ranks train on the same ones."""
+    global order, so 1 and 2 ranks that drew the same samples train on the same groups."""
     n, local, pool = args.group_size, args.prompt_batch_size // world, {}
     for batch in range(args.max_gen_batches if args.filter_groups else 1):
         indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank, world=world)

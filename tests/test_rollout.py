@@ -347,3 +347,29 @@ def test_stop_tokens_stop_strings_and_per_prompt_budgets_end_the_same_samples_ea
     assert out.logprobs == [lp[: len(ids)] for lp, ids in zip(free.logprobs, expected)]
     cut_by = [ids[-1] == stop_id for ids in expected], [has_stop(ids) for ids in expected]
     assert any(cut_by[0]) and any(cut_by[1]) and any(truncated)  # every kind of ending occurs
+
+
+def test_every_rank_count_gives_each_prompt_the_same_place_and_seed():
+    """What 1, 2 and 4 ranks share on any CPU: each prompt of the global batch, its place and its
+    sampling seed. (The samples are the same too only where the engine computes a sequence to the
+    same bits whatever shares its batch; neither engine promises that: see README.)"""
+    from types import SimpleNamespace
+
+    from rollout import sampling_seeds, step_prompts
+
+    rows, args = list(range(40)), SimpleNamespace(prompt_batch_size=8, seed=3)
+
+    def global_batch(step, batch, world):
+        prompts, seeds = [], []
+        for rank in range(world):
+            indices, first = step_prompts(rows, step, batch, args=args, rank=rank, world=world)
+            prompts += indices
+            seeds += sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(indices))
+        return prompts, seeds
+
+    for step in (1, 2, 6):  # 6: the second epoch, in another order
+        for batch in (0, 1):  # 1: --filter-groups' next generation batch
+            one = global_batch(step, batch, 1)
+            assert len(set(one[0])) == 8 and len(set(one[1])) == 8
+            assert global_batch(step, batch, 2) == one and global_batch(step, batch, 4) == one
+    assert global_batch(1, 0, 1) != global_batch(2, 0, 1)

@@ -2,7 +2,7 @@
 Qwen2.5 tokenizer and chat template (its tools block in every prompt), on a random-init Qwen2 that
 opens and closes tool calls often (tests/conftest.py: qwen_tool_model). Its calls are random tokens,
 so each one is malformed and the model reads an error, then goes on: conversations of up to 3 turns.
-The same samples on 1 and 2 ranks, an exact resume after kill -9, vLLM with LoRA and --filter-groups,
+The same prompts on 1 and 2 ranks, an exact resume after kill -9, vLLM with LoRA and --filter-groups,
 a rollout rank, eval.py. The loop itself, with scripted turns and every kind of tool failure: test_multi_turn.py."""
 
 import json
@@ -42,24 +42,26 @@ def runs(tmp_path_factory, qwen_tool_model, gsm8k_data):
 
 
 @pytest.mark.slow
-def test_one_and_two_ranks_draw_the_same_conversations(runs):
-    """Step 1 (the same weights on both): the same conversations, so the same lengths, turns, calls and
-    rewards. After an update the two differ by the ranks' float reductions, which can move a sample."""
+def test_one_and_two_ranks_run_conversations_on_the_same_prompts(runs):
+    """1 and 2 ranks give each prompt the same place and seeds (test_rollout.py), so the logged first
+    group of every step is the same prompt. Its conversations are the same only where the engine
+    computes a sequence to the same bits whatever shares its batch: with 16 rows in one batch or 8 in
+    each of two, a token near a tie can differ (on an Intel Xeon a step-1 score mean was 1.69999 vs
+    1.70063). The update given the same samples is the same: test_async_rollout.py."""
     root, _ = runs
     one, two = metrics(root / "ranks1"), metrics(root / "ranks2")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3, 4]
-    for key in COMPARED.split():
-        assert one[1][key] == pytest.approx(two[1][key], rel=1e-6), key
-    first = slice(0, 4)  # step 1's samples in the table: the first prompt's group, on rank 0 in both
-    samples = [
-        [json.loads(line) for line in open(root / r / "samples" / "train.jsonl")][first] for r in ("ranks1", "ranks2")
-    ]
-    assert samples[0] == samples[1] and any("[tool] error:" in s["response"] for s in samples[0])
-    assert one[1]["num_turns/max"] >= 2 and one[1]["tool/calls_per_sample"] > 0
-    assert all(r["tool/malformed"] == r["tool/errors"] for r in one[1:])  # random tokens are never JSON
-    for row in one[1:]:
-        assert row["training/rollout_logprob_diff_max"] <= 1e-4  # on the model's tokens, in fp32
-    assert one[2]["val-aux/num_turns/mean"] >= 1 and "val-aux/tool/calls_per_sample" in one[2]
+    logged = [[json.loads(line) for line in open(root / r / "samples" / "train.jsonl")] for r in ("ranks1", "ranks2")]
+    assert len(logged[0]) == len(logged[1]) == 4 * 4  # 4 steps, the first group of 4 samples each
+    assert [s["prompt"] for s in logged[0]] == [s["prompt"] for s in logged[1]]
+    assert len({s["prompt"] for s in logged[0]}) == 4  # a new prompt every step
+    for rows, samples in zip((one, two), logged):
+        assert any("[tool] error:" in s["response"] for s in samples)
+        assert rows[1]["num_turns/max"] >= 2 and rows[1]["tool/calls_per_sample"] > 0
+        assert all(r["tool/malformed"] == r["tool/errors"] for r in rows[1:])  # random tokens are never JSON
+        for row in rows[1:]:
+            assert row["training/rollout_logprob_diff_max"] <= 1e-4  # on the model's tokens, in fp32
+        assert rows[2]["val-aux/num_turns/mean"] >= 1 and "val-aux/tool/calls_per_sample" in rows[2]
 
 
 @pytest.mark.slow
