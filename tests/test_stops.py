@@ -64,7 +64,8 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path):
     proc = start_and_wait_for_step(tmp_path / "stopped", 2, *flags, ranks=2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    # the ranks exit 143; torchrun, signalled itself, exits 1 with torch's traceback (docs/checkpoints.md)
+    assert proc.returncode == 1 and "SignalException" in err, err[-3000:]
     done = max(steps_logged(tmp_path / "stopped"))
     assert 2 <= done < 5
     assert f"stopped by SIGTERM after step {done} of 5" in out + err
