@@ -21,6 +21,7 @@ import health
 from advantage import ADV_ESTIMATORS
 from loss import AGG_MODES, KL_KINDS, LOSS_MODES
 from reward import reward_rules
+from reward_worker import timeout_rules
 from rollout_ranks import placement_rules
 
 
@@ -270,8 +271,8 @@ class Args:
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     collective_timeout: float = rule(600.0, "> 0 seconds", lambda v: v > 0)
-    """Seconds a rank waits for the others in a collective before the run stops with a message (a dead or
-    stuck peer); raise it if ranks legitimately wait longer, e.g. for rank 0 writing a large model."""
+    """Seconds a rank waits for the others in a collective before the run stops with a message (a dead or stuck peer);
+    above --reward-timeout and --tool-timeout. Raise it if ranks wait longer, e.g. for rank 0 writing a large model."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in --out-dir; never; or a checkpoint path."""
     allow_changed: str = ""
@@ -298,9 +299,8 @@ def field_docs(cls):
 
 
 def check_args(args, world=1, cuda=None):
-    """Every flag's allowed values and the constraints between flags, checked before anything loads.
-    Returns the problems, one line each naming the flag and what it accepts; [] when all is well.
-    `world` is the number of ranks; `cuda` whether there is a GPU (default: torch's answer)."""
+    """Every flag's allowed values and the constraints between flags, checked before anything loads: the problems,
+    one line each naming the flag and what it accepts; [] if none. `world`: ranks; `cuda`: a GPU? (None: torch says)"""
     fields, a = dataclasses.fields(Args), args  # a: short, so that each rule below fits on one line
     not_finite = [f for f in fields if f.type is float and not math.isfinite(getattr(a, f.name))]
     if not_finite:  # these alone: nan would also fail every comparison below
@@ -328,6 +328,7 @@ def check_args(args, world=1, cuda=None):
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        *timeout_rules(a),  # a reward function's or a tool's call must end before the other ranks give up waiting
         *placement_rules(a, world),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),
         *[
@@ -395,8 +396,7 @@ def check_args(args, world=1, cuda=None):
     problems += [
         f"--logger {name}: expected some of {', '.join(LOGGERS)}" for name in loggers(a) if name not in LOGGERS
     ]
-    names = {f.name for f in fields}
-    problems += [f"--allow-changed {name}: no such flag" for name in allowed_changes(a) if name not in names]
+    problems += [f"--allow-changed {n}: no such flag" for n in allowed_changes(a) if n not in {f.name for f in fields}]
     problems += [
         f"{flag(f.name)} {getattr(a, f.name)!r}: expected one of {', '.join(f.metadata['choices'])}"
         for f in fields

@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from reward_worker import waits
+
 # Large CPU tensors in 2 MiB huge pages: torch's allocator asks the kernel for them (madvise) when this
 # is set before its first CPU allocation, so at import. Every micro-batch allocates [vocab, hidden]
 # tensors, and in 4 KiB pages each costs a page fault per page (BENCHMARKS.md, Qwen vocabulary).
@@ -96,12 +98,16 @@ _stop = {"signal": None}
 def catch_stop_signals():
     """From now on SIGTERM and SIGINT only ask the run to stop (stop_requested): the trainer then
     saves a checkpoint at the next step boundary and exits, instead of dying mid-step and losing every
-    step since the last save. A second signal is the same request; SIGKILL still kills at once."""
+    step since the last save. A second signal is the same request; SIGKILL still kills at once. A rank in
+    a reward function's or a tool's call says which, and for how long: that is why its peers gave up on it
+    (torchrun passes this rank a SIGTERM when another one failed)."""
 
     def ask(signum, frame):
+        who = ("rollout rank " if os.environ.get("GRPO_ROLLOUT_SIDE") else "rank ") + os.environ.get("RANK", "0")
         if _stop["signal"] is None:
-            who = ("rollout rank " if os.environ.get("GRPO_ROLLOUT_SIDE") else "rank ") + os.environ.get("RANK", "0")
             print(f"{who}: {signal.Signals(signum).name}: stopping at the next step boundary", flush=True)
+        for line in waits():
+            print(f"{who}: {signal.Signals(signum).name} came while {line}", flush=True)
         _stop["signal"] = signum
 
     for s in (signal.SIGTERM, signal.SIGINT):

@@ -9,13 +9,13 @@ would kill it. So each rank runs them in one long-lived worker process of its ow
     call(requests): the batch, one message  ---->  answers each request in turn (RewardWorker: each sample)
                                             <----  one reply per request: (value, None) or (None, problem)
 
-A request whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead
-of a value (reward.score_responses decides whether that stops the run); the worker is then replaced and
-takes the rest of the batch. Module-level state of a user's file lives as long as its worker. The worker
-ends when we close it, when its stdin closes, and, on Linux, when this process dies (kill -9 included).
-"""
+A request whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead of a
+value (reward.score_responses decides if that stops the run); the worker is replaced, with all its functions
+started (kill_tree), and takes the rest of the batch. Module-level state lives until we close it, its stdin
+closes, or (Linux) this process dies, kill -9 included. Prints: OUTPUT_CAP; a stuck rank's wait: waits()."""
 
 import atexit
+import fcntl
 import functools
 import importlib
 import os
@@ -25,7 +25,9 @@ import signal
 import struct
 import subprocess
 import sys
+import termios
 import threading
+import time
 
 # Loading the user's files may take longer than one call: a file may import torch or sympy.
 LOAD_TIMEOUT = 60.0  # seconds, at least
@@ -37,6 +39,46 @@ TIMED_OUT = "did not return within"  # how a time-out's problem starts (tools.ru
 # What a function returns crosses the pipe as a pickle: a value that cannot be pickled there (a lambda,
 # an instance of a class defined in the user's file) or loaded here is that request's error.
 UNSENDABLE = "returned a value that cannot be sent back from the {} ({}); return numbers, strings, lists or dicts"
+
+# What one call may print (stdout and stderr together) into our stderr: a tool that prints 200 MB must not
+# fill the run's log. The rest is dropped, with a note; tools.run_calls counts such a call as truncated.
+OUTPUT_CAP = 64 * 1024  # bytes
+
+# Each worker and every process it starts carry MARK=<this worker's own value> in their environment, by
+# which kill_tree finds the ones that left the worker's session (setsid) or its process tree (a double fork).
+MARK = "REWARD_WORKER_MARK"
+
+_waiting = {}  # id(worker) -> (what it runs, since when: time.monotonic(), its timeout, the flag that sets it)
+
+
+def waits():
+    """What this process waits on now, one line per Worker in a call, e.g. "waiting 61 s on reward function f
+    (my_reward.py), which --reward-timeout allows 300 s". A rank stopped by a signal prints them
+    (distributed.catch_stop_signals): its peers gave up on it, and they say that its own output says why."""
+    now = time.monotonic()
+    return [
+        f"waiting {now - since:.0f} s on {what}, which {flag or 'its timeout'} allows {timeout:g} s"
+        for what, since, timeout, flag in list(_waiting.values())
+    ]
+
+
+def timeout_rules(args):
+    """config.check_args' rules for --reward-timeout and --tool-timeout: each below --collective-timeout.
+    While one rank waits on a call, the others wait for that rank in a collective: if they may give up first,
+    they stop the run over a call that was still allowed to finish. Equal is refused too: their clock may
+    have started before the call did. (A batch of slow calls may still outlast it: waits() then says so.)"""
+    limit = args.collective_timeout
+    return [
+        (
+            not used or timeout < limit,
+            f"{flag} ({timeout:g}) must be less than --collective-timeout ({limit:g}): while one {what} call runs, "
+            f"the other ranks wait for this one and give up first; lower {flag} or raise --collective-timeout",
+        )
+        for flag, timeout, used, what in (
+            ("--reward-timeout", args.reward_timeout, args.reward_fn, "--reward-fn"),
+            ("--tool-timeout", args.tool_timeout, args.tools, "--tools"),
+        )
+    ]
 
 
 def write_message(fd, data):
@@ -83,16 +125,17 @@ class Worker:
     a function of this repository) is called with `setup`, loads the files, and returns (answer, info):
     answer(request) -> (value, None) or (None, problem) answers each request, and the first start's
     `info` comes back to us as self.info (tools.py's: the tools' schemas). call(requests) returns one
-    (value, problem) per request. The worker starts here, so files that cannot be loaded are an error
-    now (RuntimeError, starting with `load_error`), not at the first call. Subclasses name the worker
-    in messages."""
+    (value, problem) per request, and self.dropped the bytes each printed past OUTPUT_CAP. The worker starts
+    here, so files that cannot be loaded are an error now (RuntimeError, starting with `load_error`), not at
+    the first call. Subclasses name the worker, and what a request runs (waiting_on), in messages."""
 
     what = "worker"  # how messages call the worker process
     timeout_flag = None  # the flag that sets `timeout`, named in a time-out's problem
 
     def __init__(self, loader, setup, timeout, load_error):
         self.loader, self.setup, self.timeout, self.load_error = loader, setup, float(timeout), load_error
-        self.info, self._process, self._pid = None, None, None
+        self.info, self._process, self._pid, self._mark, self.dropped = None, None, None, None, []
+        self._printed = 0  # bytes the request now running printed so far (_pass_on)
         self._lock = threading.Lock()  # one batch at a time: replies come back in order
         self._start()
         atexit.register(self.close)
@@ -103,6 +146,7 @@ class Worker:
         first problem: the list is then shorter than `requests`."""
         results, timeout = [], self.timeout if timeout is None else float(timeout)
         with self._lock:
+            self.dropped = []
             try:
                 while len(results) < len(requests):
                     if self._process is None or self._pid != os.getpid() or self._process.poll() is not None:
@@ -111,13 +155,18 @@ class Worker:
                         write_message(self._process.stdin.fileno(), pickle.dumps(requests[len(results) :]))
                     except OSError:  # it died while we wrote: the reply below finds out how
                         pass
-                    self._collect(results, len(requests), stop_on_error, timeout)
+                    self._collect(results, requests, stop_on_error, timeout)
                     if stop_on_error and results and results[-1][1] is not None:
                         break
             finally:  # stopped early, or interrupted: its replies to the rest must not answer the next batch
+                _waiting.pop(id(self), None)
                 if len(results) < len(requests):
                     self._stop()
         return results
+
+    def waiting_on(self, request):
+        """What `request` runs, as waits() names it."""
+        return f"the {self.what}"
 
     @property
     def pid(self):
@@ -128,50 +177,92 @@ class Worker:
         """Stop the worker (registered with atexit)."""
         self._stop()
 
-    def _collect(self, results, total, stop_on_error, timeout):
-        """Read replies into `results` until there are `total`, or the worker failed on one (it is then
-        stopped), or, with stop_on_error, a reply reports a problem."""
-        while len(results) < total:
+    def _collect(self, results, requests, stop_on_error, timeout):
+        """Read replies into `results` until there is one per request, or the worker failed on one (it is
+        then stopped), or, with stop_on_error, a reply reports a problem."""
+        while len(results) < len(requests):
+            _waiting[id(self)] = (self.waiting_on(requests[len(results)]), time.monotonic(), timeout, self.timeout_flag)
             try:
                 data = self._reply(timeout)
             except TimeoutError:
                 self._stop()
                 flag = f" ({self.timeout_flag})" if self.timeout_flag else ""
-                results.append((None, f"{TIMED_OUT} {timeout:g} s{flag}; its worker process was killed"))
+                self._answered(results, (None, f"{TIMED_OUT} {timeout:g} s{flag}; its worker process was killed"))
                 return
             except (EOFError, OSError):  # it died
-                results.append((None, how_it_ended(self._process, self.what)))
+                problem = how_it_ended(self._process, self.what)
                 self._stop()
+                self._answered(results, (None, problem))
                 return
             try:
                 reply = pickle.loads(data)
             except Exception as e:
                 reply = (None, UNSENDABLE.format(self.what, f"{type(e).__name__}: {e}"))
-            results.append(reply)
+            self._answered(results, reply)
             if stop_on_error and reply[1] is not None:
                 return
 
+    def _answered(self, results, reply):
+        results.append(reply)
+        self.dropped.append(self._past_cap())
+
+    def _past_cap(self):
+        """The bytes that the request just ended printed past OUTPUT_CAP (dropped, with a note); the next
+        request's count starts at 0."""
+        dropped, self._printed = max(self._printed - OUTPUT_CAP, 0), 0
+        if dropped:
+            say(
+                f"\n[{self.what}: one call printed {dropped + OUTPUT_CAP:,} bytes; the first {OUTPUT_CAP:,} are above, the rest was dropped]\n"
+            )
+        return dropped
+
     def _reply(self, timeout):
-        """The worker's next message (bytes); TimeoutError if none came within `timeout` seconds."""
-        fd = self._process.stdout.fileno()
+        """The worker's next message (bytes); TimeoutError if none came within `timeout` seconds. What it
+        prints meanwhile goes on to our stderr (_pass_on)."""
+        fd, printed = self._process.stdout.fileno(), self._process.stderr.fileno()
         waiting = select.poll()  # not select.select: a trainer's file descriptors can pass its limit of 1024
         waiting.register(fd, select.POLLIN)
-        if not waiting.poll(timeout * 1000):  # readable, or closed: the worker died
-            raise TimeoutError
-        return read_message(fd)
+        waiting.register(printed, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = {f for f, _ in waiting.poll(max(deadline - time.monotonic(), 0.0) * 1000)}
+            if fd in ready:  # readable, or closed: the worker died. We read all it printed before it replied
+                return read_message(fd)  # (wait_until_read): what is in that pipe now is the next request's
+            if printed in ready and not self._pass_on(self._process):
+                waiting.unregister(printed)  # closed: the worker died, or closed its stderr
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+
+    def _pass_on(self, process):
+        """Pass what `process` printed, as much as its pipe holds now, on to our stderr while this request
+        printed at most OUTPUT_CAP bytes, and count it. False once the pipe is closed (and empty)."""
+        for _ in range(64):  # at most 4 MiB at a time: one that never stops printing must not hold us here
+            try:
+                data = os.read(process.stderr.fileno(), 1 << 16)
+            except BlockingIOError:  # empty for now
+                return True
+            if not data:
+                return False
+            say(data[: max(OUTPUT_CAP - self._printed, 0)])
+            self._printed += len(data)
+        return True
 
     def _start(self):
         self._stop()
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
-        # its own session: a kill takes down whatever the user's function started too (a code sandbox, say)
+        # its own session, and its MARK: a kill takes down whatever the user's function started too (kill_tree)
+        mark = f"{os.getpid()}.{os.urandom(8).hex()}"
         process = subprocess.Popen(
             [sys.executable, script, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,  # what its functions print: we pass it on (_pass_on)
             bufsize=0,
             start_new_session=True,
+            env={**os.environ, MARK: mark},
         )
-        self._process, self._pid = process, os.getpid()
+        os.set_blocking(process.stderr.fileno(), False)
+        self._process, self._pid, self._mark, self._printed = process, os.getpid(), mark, 0
         load_timeout = max(self.timeout, LOAD_TIMEOUT)
         try:
             write_message(process.stdin.fileno(), pickle.dumps((self.loader, self.setup, self.what)))
@@ -182,21 +273,26 @@ class Worker:
             status, said = "failed", f"{how_it_ended(process, self.what)} while loading; its output is above"
         if status != "ready":
             self._stop()
+            self._past_cap()
             raise RuntimeError(f"{self.load_error}: {said}")
+        self._past_cap()
         self.info = said if self.info is None else self.info  # the first start's: a restart may skip work
 
     def _stop(self):
         process, self._process = self._process, None
         if process is None or self._pid != os.getpid():  # none, or our parent's (we are a forked copy)
             return
+        kill_tree(process.pid, self._mark, self.what)
         if process.poll() is None:
             try:
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(process.pid, signal.SIGKILL)  # where there is no /proc, its process group at least
             except ProcessLookupError:
                 pass
         process.wait()
+        self._pass_on(process)  # what it printed before it ended
         process.stdin.close()
         process.stdout.close()
+        process.stderr.close()
 
 
 class RewardWorker(Worker):
@@ -211,12 +307,72 @@ class RewardWorker(Worker):
         load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
         super().__init__("reward_worker:load_rewards", (self.specs, weights), timeout, load_error)
 
+    def waiting_on(self, request):
+        """'reward function f (my_reward.py)', or 'reward functions f (a.py), g (b.py)' for several."""
+        names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in self.specs)]
+        return f"reward function{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
     def score(self, samples, stop_on_error=False):
         """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
         order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
         stops after the first problem: the list is then shorter than `samples`."""
         results = self.call(samples, stop_on_error)
         return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
+
+
+def say(data):
+    """Write `data` (bytes or text) to our stderr, all of it: os.write, as the worker's output came."""
+    view = memoryview(data.encode() if isinstance(data, str) else data)
+    try:
+        while view:
+            view = view[os.write(2, view) :]
+    except OSError:  # our stderr is gone: nobody to tell
+        pass
+
+
+def kill_tree(pid, mark, what):
+    """SIGKILL the worker `pid` and every process it started, even one that called setsid (a process-group
+    kill misses it) or was orphaned by a double fork (its parent is no longer the worker): each live process
+    that descends from `pid` or carries MARK=`mark` in its environment. Again until none is left, as one may
+    start another while we look. Linux only (/proc). What escapes: a process that both left the tree and
+    cleared its environment; only a cgroup would hold that one, and we cannot count on having one."""
+    if not os.path.isdir("/proc"):
+        return
+    entry, deadline = f"\0{MARK}={mark}\0".encode(), time.monotonic() + 10
+    while found := ours(pid, entry) - {os.getpid()}:
+        for p in found:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:  # it ended meanwhile
+                pass
+        if time.monotonic() > deadline:  # in uninterruptible sleep (a hung mount?): say so, never hang
+            say(f"{what}: processes {sorted(found)}, started by its functions, survive SIGKILL\n")
+            return
+        time.sleep(0.01)
+
+
+def ours(pid, entry):
+    """The live processes that descend from `pid` or whose environment holds `entry` ("\\0MARK=value\\0"),
+    and theirs."""
+    parents, roots = {}, {pid}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, parent = f.read().rsplit(b")", 1)[1].split()[:2]
+            if state in (b"Z", b"X"):  # dead, waiting for its parent to reap it
+                continue
+            parents[int(name)] = int(parent)
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in b"\0" + f.read():
+                    roots.add(int(name))
+        except OSError:  # it ended meanwhile, or is not ours to read
+            continue
+    found = roots & set(parents)
+    while more := {p for p, parent in parents.items() if parent in found} - found:
+        found |= more
+    return found
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +413,7 @@ def serve(parent_pid):
     stdin closes."""
     requests, replies = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)  # what a user's function prints goes to stderr, not into our replies
+    os.dup2(2, 1)  # what a user's function prints goes to stderr (a pipe the caller reads), not into our replies
     die_with_parent(parent_pid)
     from reward import describe
 
@@ -266,8 +422,11 @@ def serve(parent_pid):
     try:
         answer, info = getattr(importlib.import_module(module), function)(setup)
     except BaseException as e:  # a syntax error, a missing function, a sys.exit at import: all reported
+        flush_prints()
         write_message(replies, pickle.dumps(("failed", describe(e))))
         return
+    flush_prints()
+    wait_until_read()
     write_message(replies, pickle.dumps(("ready", info)))
     while True:
         try:
@@ -283,7 +442,32 @@ def serve(parent_pid):
                 data = pickle.dumps(result)
             except Exception as e:
                 data = pickle.dumps((None, UNSENDABLE.format(what, f"{type(e).__name__}: {e}")))
+            flush_prints()
+            wait_until_read()
             write_message(replies, data)
+
+
+def flush_prints():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # closed, or replaced by the user's code with something that cannot
+            pass
+
+
+def wait_until_read(most=1.0):
+    """Wait, at most `most` seconds, until the caller has read all that this request printed (our stderr is
+    a pipe it reads): else the prints, which come on another pipe than the reply, could be counted as the
+    next request's. Returns at once when the pipe is empty, as it usually is."""
+    deadline, pause = time.monotonic() + most, 5e-5
+    while time.monotonic() < deadline:
+        try:
+            if not struct.unpack("i", fcntl.ioctl(2, termios.FIONREAD, b"\0" * 4))[0]:  # bytes in the pipe
+                return
+        except OSError:  # our stderr was closed or is no pipe now: nothing to wait for
+            return
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
 
 
 if __name__ == "__main__":

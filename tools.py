@@ -119,7 +119,7 @@ def call_tool(tools, request):
 class ToolWorker(Worker):
     """The tools' worker process (reward_worker.Worker), so named in its messages."""
 
-    what = "tool worker"
+    what, timeout_flag = "tool worker", "--tool-timeout"
 
     def waiting_on(self, request):  # "tool calculator (calculator.py)": what a rank stopped mid-call names
         return f"tool {request[0]} ({os.path.basename(self.setup[0].partition(':')[0])})"

@@ -129,6 +129,15 @@ BAD = [
     ),
     (["--max-turns", "3"], "--max-turns needs --tools"),
     (["--collective-timeout", "-5"], "--collective-timeout must be > 0 seconds"),
+    # a call that may outlast the other ranks' patience: they stop the run while this rank waits, silent
+    (
+        ["--reward-fn", "reward.py", "--reward-timeout", "300", "--collective-timeout", "60"],
+        "--reward-timeout (300) must be less than --collective-timeout (60)",
+    ),
+    (
+        ["--tools", "examples/tools/calculator.py", "--tool-timeout", "30", "--collective-timeout", "30"],
+        "--tool-timeout (30) must be less than --collective-timeout (30)",
+    ),
     (["--loss-scale-factor", "-1"], "--loss-scale-factor must be > 0, or 0 for --max-response-length"),
     (["--reward-fn", "no/such.py:f"], "--reward-fn no/such.py:f: no such file 'no/such.py'"),
     (["--reward-fn", "reward.py", "--reward-fn", "no/such.py"], "--reward-fn no/such.py: no such file"),
@@ -224,6 +233,20 @@ def test_check_args_is_a_plain_function():
         "--temperature must be > 0: sampling and the trainer's log-probs divide logits by it (greedy is --val-temperature 0), got 0.0",
         "--lr-schedule 'cosin': expected one of constant, cosine",
     ]
+
+
+def test_a_reward_or_tool_call_must_end_before_the_other_ranks_stop_waiting():
+    used = config.Args(reward_fn="reward.py:compute_score", tools="examples/tools/calculator.py")
+    assert config.check_args(used) == []  # the defaults: 300 s and 10 s, under 600 s
+    assert config.check_args(dataclasses.replace(used, reward_timeout=599.0, tool_timeout=599.0)) == []
+    assert config.check_args(dataclasses.replace(used, reward_timeout=600.0, tool_timeout=900.0)) == [
+        "--reward-timeout (600) must be less than --collective-timeout (600): while one --reward-fn call runs, "
+        "the other ranks wait for this one and give up first; lower --reward-timeout or raise --collective-timeout",
+        "--tool-timeout (900) must be less than --collective-timeout (600): while one --tools call runs, "
+        "the other ranks wait for this one and give up first; lower --tool-timeout or raise --collective-timeout",
+    ]
+    # without --reward-fn (or --tools) nothing runs under that timeout: a short --collective-timeout is fine
+    assert config.check_args(config.Args(collective_timeout=15.0)) == []
 
 
 def test_batch_sizes_must_split_over_the_ranks(capsys, monkeypatch):

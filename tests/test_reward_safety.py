@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import reward_worker
 from reward import RewardError, load_reward_fns, read_score, score_responses, score_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -412,6 +413,109 @@ def test_the_worker_dies_with_a_killed_trainer_even_mid_call(tmp_path):
     assert wait_gone(worker)
 
 
+def test_a_rank_stopped_mid_call_says_which_function_it_waits_on_and_for_how_long(tmp_path):
+    # its peers gave up on it and say "its own output says why": torchrun then sends it SIGTERM
+    path = tmp_path / "stuck.py"
+    path.write_text(
+        "import time\n"
+        "def my_reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    open(solution_str, 'w').close()  # the call has begun\n"
+        "    time.sleep(1000)\n"
+    )
+    marker = tmp_path / "in_the_call"
+    rank = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {REPO!r})
+        from distributed import catch_stop_signals
+        from reward import load_reward_fns, score_responses
+        fn = load_reward_fns([{str(path) + ":my_reward"!r}], timeout=100)
+        catch_stop_signals()
+        score_responses(fn, ["ds"], [{str(marker)!r}], ["1"])
+        """
+    )
+    env = {**os.environ, "RANK": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", rank], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 60
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.2)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)  # it prints at once, and goes on waiting
+    finally:
+        proc.kill()
+        out = proc.communicate()[0]
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0] == "rank 1: SIGTERM: stopping at the next step boundary", out
+    said = lines[1]
+    assert said.startswith("rank 1: SIGTERM came while waiting "), said
+    seconds, rest = said.removeprefix("rank 1: SIGTERM came while waiting ").split(" ", 1)
+    assert int(seconds) >= 1
+    assert rest == "s on reward function my_reward (stuck.py), which --reward-timeout allows 100 s"
+
+
+def test_what_one_call_prints_is_capped(tmp_path, capfd):
+    # a function that prints 200 MB must not fill the run's log: 64 KiB of each call's prints, then a note
+    path = tmp_path / "loud.py"
+    path.write_text(
+        "import os, subprocess, sys\n"
+        "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    n = int(solution_str)\n"
+        "    print('p' * n)  # Python's stdout\n"
+        "    os.write(2, b'w' * n)  # the descriptor itself, as C code writes\n"
+        "    subprocess.run([sys.executable, '-c', f'print(\"c\" * {n})'])  # and a child's\n"
+        "    return 1.0\n"
+    )
+    fn = load_reward_fns([f"{path}:f"])
+    capfd.readouterr()
+    assert score(fn, ["1000000", "10"]) == ([1.0, 1.0], {})
+    assert fn.dropped == [3 * 1000001 - 1 - reward_worker.OUTPUT_CAP, 0]
+    err = capfd.readouterr().err
+    fn.close()
+    note = f"[reward worker: one call printed 3,000,002 bytes; the first {reward_worker.OUTPUT_CAP:,} are above, the rest was dropped]"
+    assert note in err and len(err) < reward_worker.OUTPUT_CAP + 500, len(err)
+    assert err.endswith(f"{note}\n" + "p" * 10 + "\n" + "w" * 10 + "c" * 10 + "\n")  # the next call starts anew
+
+
+DAEMON = """
+import os, sys, time
+if os.fork():  # a double fork: the daemon's parent exits, so the worker is no longer its ancestor
+    os._exit(0)
+os.setsid()  # and a session of its own: a kill of the worker's process group misses it
+if os.fork():
+    os._exit(0)
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(1000)
+"""
+
+
+def test_closing_the_worker_kills_what_its_functions_started_even_a_daemon(tmp_path):
+    (tmp_path / "daemon.py").write_text(DAEMON)
+    path = tmp_path / "spawns.py"
+    path.write_text(
+        "import subprocess, sys\n"
+        "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    subprocess.run([sys.executable, {str(tmp_path / 'daemon.py')!r}, solution_str])\n"
+        "    return 1.0\n"
+    )
+    fn = load_reward_fns([f"{path}:f"])
+    pid_file = tmp_path / "daemon.pid"
+    assert score(fn, [str(pid_file)]) == ([1.0], {})
+    deadline = time.time() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    daemon = int(pid_file.read_text())
+    try:
+        assert pid_alive(daemon)
+        fn.close()
+        assert wait_gone(daemon, seconds=5)
+    finally:
+        if pid_alive(daemon):
+            os.kill(daemon, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------------------------
 # validation honours --reward-errors too (eval.validate, as the trainer's run_validation calls it)
 
@@ -501,3 +605,31 @@ def test_with_skip_the_run_completes_and_counts_the_errors_in_training_and_valid
     assert [m["step"] for m in validations] == [0, 1, 2] and all(m["val-aux/reward/errors"] > 0 for m in validations)
     assert "reward errors: " in proc.stderr and "ended its worker process with exit code 0" in proc.stderr
     assert os.path.isdir(tmp_path / "run" / "final_model")
+
+
+SLOW_ON_RANK_1 = """
+import os, time
+
+def slow(data_source, solution_str, ground_truth, extra_info=None):
+    if os.environ["RANK"] == "1":  # each call within --reward-timeout, all of them together past --collective-timeout
+        time.sleep(5)
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+def test_the_rank_its_peers_gave_up_on_says_it_was_waiting_on_a_reward_function(tmp_path):
+    # rank 0 waits for rank 1 in a collective, gives up after 10 s and says "its own output says why";
+    # torchrun then sends rank 1 SIGTERM, and rank 1 says what it is waiting on
+    reward_file = tmp_path / "slow.py"
+    reward_file.write_text(SLOW_ON_RANK_1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_grpo.py"]
+    cmd += ["--out-dir", str(tmp_path / "run"), "--reward-fn", f"{reward_file}:slow", "--rollout", "hf"]
+    cmd += "--max-steps 1 --prompt-batch-size 2 --mini-batch-size 2 --group-size 4 --test-freq -1".split()
+    cmd += "--no-val-before-train --save-freq -1 --reward-timeout 8 --collective-timeout 10".split()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "another rank stopped answering" in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("rank 1: SIGTERM came while waiting ")]
+    assert len(said) == 1, proc.stdout[-3000:]
+    assert said[0].endswith(" s on reward function slow (slow.py), which --reward-timeout allows 8 s"), said

@@ -444,3 +444,94 @@ def test_the_calculator_through_the_worker_and_the_qwen_format(qwen, calculator_
     worker.close()
     assert statuses == ["ok", "raised"] and messages[0]["content"] == "42"
     assert messages[1]["content"].startswith("error: calculator raised ValueError: the exponent 387420489 is too large")
+
+
+# ----------------------------------------------------------------------------------------------
+# what a tool leaves behind: its prints (capped), its processes (killed with its worker), its waits (said)
+
+UNRULY = '''
+import os, subprocess, time
+
+
+def spawn(pid_file: str) -> str:
+    """Start a process in a session of its own, which a kill of the worker's process group misses.
+
+    Args:
+        pid_file: Where to write its process id.
+    """
+    child = subprocess.Popen(["setsid", "sleep", "1000"])
+    while os.getsid(child.pid) == os.getsid(0):  # until setsid(1) has made its session
+        time.sleep(0.01)
+    open(pid_file, "w").write(str(child.pid))
+    return "started"
+
+
+def shout(n: int) -> str:
+    """Print n bytes, then answer.
+
+    Args:
+        n: How many bytes to print.
+    """
+    os.write(1, b"s" * n)
+    return "done"
+
+
+def slow() -> str:
+    """Take a long time."""
+    time.sleep(1000)
+    return "never"
+'''
+
+
+@pytest.fixture
+def unruly(tmp_path):
+    path = tmp_path / "unruly.py"
+    path.write_text(UNRULY)
+    worker, _ = tools.start_tools(str(path), timeout=5)
+    yield worker
+    worker.close()
+
+
+def test_closing_the_worker_kills_a_process_a_tool_started_in_a_new_session(unruly, tmp_path):
+    import os
+    import signal
+
+    from test_reward_safety import pid_alive, wait_gone
+
+    pid_file = tmp_path / "sleep.pid"
+    assert tools.run_calls([call("spawn", pid_file=str(pid_file))], unruly)[1] == ["ok"]
+    sleep = int(pid_file.read_text())
+    try:
+        assert pid_alive(sleep) and os.getsid(sleep) != os.getsid(unruly.pid)
+        unruly.close()
+        assert wait_gone(sleep, seconds=5)
+    finally:
+        if pid_alive(sleep):
+            os.kill(sleep, signal.SIGKILL)
+
+
+def test_a_tool_that_prints_too_much_is_cut_and_counted_truncated(unruly, capfd):
+    from reward_worker import OUTPUT_CAP
+
+    messages, statuses = tools.run_calls([call("shout", n=10**7), call("shout", n=10)], unruly)
+    assert statuses == ["truncated", "ok"] and [m["content"] for m in messages] == ["done", "done"]
+    err = capfd.readouterr().err
+    note = f"[tool worker: one call printed 10,000,000 bytes; the first {OUTPUT_CAP:,} are above, the rest was dropped]"
+    assert note in err and len(err) < OUTPUT_CAP + 500
+    assert err.endswith(f"{note}\n" + "s" * 10)
+
+
+def test_a_rank_waiting_on_a_tool_can_say_which_and_for_how_long(unruly):
+    import threading
+
+    from reward_worker import waits
+
+    assert waits() == []
+    running = threading.Thread(target=tools.run_calls, args=([call("slow")], unruly), kwargs=dict(timeout=3))
+    running.start()
+    deadline = time.time() + 10
+    while not waits() and time.time() < deadline:
+        time.sleep(0.01)
+    assert waits() == ["waiting 0 s on tool slow (unruly.py), which --tool-timeout allows 3 s"]
+    running.join()
+    assert waits() == []
