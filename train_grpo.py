@@ -260,7 +260,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
-    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
+    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps, config)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
     checkpointer, ahead = None, RolloutsAhead(args.max_staleness, total_steps)  # --max-staleness: made in advance
     if args.save_freq > 0:
