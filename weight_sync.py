@@ -1,4 +1,4 @@
-"""The trainer's weights into a rollout engine, and the check that the engine then serves them.
+"""The trainer's weights into a rollout engine, and the checks that the engine then serves them.
 
 Colocated (every rank its own engine, the default): sync_and_check copies them in, one full parameter
 at a time. With --rollout-ranks, trainer rank 0 sends them to the rollout ranks (rollout_ranks.py)
@@ -7,16 +7,12 @@ and each bucket's float64 sum and sum of squares, which the receiver checks. Wit
 merged weights.
 
 After every sync, check_engine compares the engine's log-probs of a fixed probe (the start of a
-training prompt) with the trainer's: a mean gap above PROBE_TOLERANCE means the engine does not serve
-the weights just sent (a load that failed quietly, LoRA adapters that never reached it: verl#7495),
-and raises WeightSyncError naming the version. Two implementations of the same weights differ by
-about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM against transformers), so in bf16 only a
-gross fault shows.
-
-The probe is the same prompt on every rank, so an engine that is right only on it passes: one whose
-tensor-parallel ranks were sent different requests served the probe exactly and the rollouts 1.4
-nats off the policy. So check_rollout also compares each step's real rollout, the engine's log-probs
-of the sampled tokens against the trainer's of the same weights, over every rank's tokens.
+training prompt) with the trainer's; every step, check_rollout those of the sampled tokens (the probe
+is the same prompt on every rank: a TP engine sent different requests by its ranks served it exactly,
+and its rollouts 1.4 nats off). A mean gap above PROBE_TOLERANCE means the engine does not serve the
+policy (a load that failed quietly, LoRA adapters that never reached it: verl#7495) and raises
+WeightSyncError. The same weights differ by about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM
+against transformers), so in bf16 only a gross fault shows.
 """
 
 import math

@@ -82,8 +82,9 @@ def test_a_rollout_whose_engine_log_probs_are_not_the_policys_stops_the_run_nami
     (a tensor-parallel group whose ranks sent different ones: 1.4 nats in fp32) passed it. The step's
     sampled tokens are compared too: only those of the weights the trainer scored them with, and only
     where the engine's distribution is the trainer's."""
-    import torch.distributed as dist
     from types import SimpleNamespace
+
+    import torch.distributed as dist
 
     from weight_sync import check_rollout
 
