@@ -108,7 +108,7 @@ class Args:
     gpu_memory_utilization: float = rule(0.5, "in (0, 1]", lambda v: 0 < v <= 1)
     """Share of GPU memory vLLM may take (CUDA only)."""
     tensor_parallel_size: int = rule(1, ">= 1", lambda v: v >= 1)
-    """vLLM tensor parallel size (CUDA only)."""
+    """vLLM tensor parallelism: this many consecutive ranks share one engine (a divisor of the ranks)."""
     # --- update
     ppo_epochs: int = rule(1, ">= 1", lambda v: v >= 1)
     """Passes over each step's rollouts."""

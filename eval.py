@@ -135,6 +135,7 @@ def validate(
     errors="raise",
     where="validation",
     tools=None,
+    tp=1,
 ):
     """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
     `engine`, score them, and compute verl's validation metrics over every rank's samples.
@@ -145,7 +146,8 @@ def validate(
     errors and where go to reward.score_rows (--reward-errors; "validation at step 2" for its messages);
     with errors="skip", val-aux/reward/errors counts the samples of all ranks that scored 0 for a reward error.
     With `tools` (multi_turn.ToolSetup) the samples are multi-turn conversations, and val-aux/num_turns/*
-    and val-aux/tool/* describe them."""
+    and val-aux/tool/* describe them. tp: the ranks of a tensor-parallel group (rollout.collect_rollout)
+    generate one share together, each rank `rank` of `world` groups; one copy of each share counts."""
     from distributed import all_gather
     from multi_turn import turn_counts, turn_metrics
     from reward import score_rows
@@ -167,7 +169,7 @@ def validate(
     # every rank gets every score (they are small), so every rank computes the same metrics
     local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
     local.update(errors=sum(extras.get("reward_error", [])), turns=turn_counts(out.turns))
-    parts = all_gather(local) if world > 1 else [local]
+    parts = all_gather(local)[::tp] if world > 1 else [local]
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
     sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
     metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
@@ -194,7 +196,10 @@ def validate_step(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args
     engine.wake_up()
     kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
     kw.update(errors=args.reward_errors, where=f"validation at step {step}", tools=tools)
-    metrics, samples = validate(engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank, world=world, **kw)
+    tp = args.tensor_parallel_size  # a TP group's ranks generate its share together
+    metrics, samples = validate(
+        engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank // tp, world=world // tp, tp=tp, **kw
+    )
     engine.sleep()
     return metrics, samples
 

@@ -44,6 +44,15 @@ class Bands:
     """Where "late in training" starts, as a fraction of the total steps."""
     step_time_jump: float = 3.0
     """timing_s/step above this multiple of its median over the previous 20 steps."""
+    logprob_gap_fp32: float = 1e-2
+    """training/rollout_logprob_diff_max (nats) above this in an fp32 run: the engine's log-probs are not
+    the policy's (normal: below 1e-4, docs/precision.md)."""
+    logprob_gap_bf16: float = 1.0
+    """The same in a bf16 run, where its rounding alone reaches 0.6 (SmolLM2)."""
+    probs_gap_fp32: float = 1e-4
+    """training/rollout_probs_diff_mean above this in an fp32 run (normal: about 5e-6)."""
+    probs_gap_bf16: float = 0.02
+    """The same in a bf16 run (normal: up to 8.3e-3, SmolLM2)."""
     quiet: int = 20
     """Steps a signal must stay healthy before the same warning is printed again."""
     target: float = float("nan")
@@ -65,6 +74,19 @@ def parse_bands(text):
     return bands
 
 
+def gap_bands(bands, config):
+    """The engine-vs-trainer gap's bands for a run's config (train_grpo's flags, as config.json holds
+    them): (logprob_diff_max, probs_diff_mean) in its dtype; None where the gap is more than the engine's
+    error: --max-staleness (the updates since the samples were drawn), --top-k / --top-p (the engine's
+    log-probs are over the kept tokens), --lora-dropout (the trainer's are under dropout)."""
+    c = {"max_staleness": 0, "top_k": -1, "top_p": 1.0, "lora_dropout": 0.0, **config}
+    if c["max_staleness"] or c["top_k"] != -1 or c["top_p"] != 1 or c["lora_dropout"]:
+        return None
+    if c.get("dtype") == "bf16":
+        return bands.logprob_gap_bf16, bands.probs_gap_bf16
+    return bands.logprob_gap_fp32, bands.probs_gap_fp32
+
+
 def val_keys(row):
     """The headline validation metrics in a row: val-core/<data_source>/reward/mean@n."""
     return [k for k in row if re.fullmatch(r"val-core/.+/reward/mean@\d+", k)]
@@ -77,8 +99,9 @@ def val_keys(row):
 class Monitor:
     """Feed it every logged row, in order; it returns the warnings that row raises."""
 
-    def __init__(self, bands, total_steps):
+    def __init__(self, bands, total_steps, config=None):
         self.bands, self.total_steps = bands, total_steps
+        self.gap = gap_bands(bands, config or {})  # config: the run's flags (dtype and what the gap means)
         self.train = []  # training rows so far
         self.vals = {}  # val key -> [(step, value)]
         self.last_seen = {}  # signal -> the last step it was out of band
@@ -145,6 +168,17 @@ class Monitor:
             yield (
                 "zero_adv",
                 f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn",
+            )
+        logprob_gap, probs_gap = (
+            row.get("training/rollout_logprob_diff_max"),
+            row.get("training/rollout_probs_diff_mean"),
+        )
+        if self.gap and logprob_gap is not None and (logprob_gap > self.gap[0] or probs_gap > self.gap[1]):
+            yield (
+                "engine_gap",
+                f"the engine's log-probs are not the policy's: training/rollout_logprob_diff_max {logprob_gap:.3g} nats, "
+                f"rollout_probs_diff_mean {probs_gap:.3g} (band: <= {self.gap[0]:g} and <= {self.gap[1]:g}): the loss "
+                "trains on a wrong behaviour policy; check the weight sync and --tensor-parallel-size",
             )
         times = [r["timing_s/step"] for r in recent if not r.get(FIRST_STEP)]
         if len(times) >= 5 and not row.get(FIRST_STEP) and row["timing_s/step"] > b.step_time_jump * np.median(times):

@@ -50,12 +50,12 @@ def judge(rows, config, bands):
     if not train:
         raise ValueError("the run has no training steps logged yet")
     total = config.get("max_steps") if config.get("max_steps", -1) > 0 else train[-1]["step"]
-    monitor = Monitor(bands, total)
+    monitor = Monitor(bands, total, config)
     warnings = [w for row in rows for w in monitor.update(row)]
     sections = {
         "task effect": task_effect(monitor, train, bands),
         "convergence": convergence(train, config, bands, total),
-        "stability": stability(rows, train, monitor, bands),
+        "stability": stability(rows, train, monitor, bands) + engine_gap(train, monitor, config),
         "efficiency": efficiency(rows, train, monitor, bands),
     }
     items = [(section, *check) for section, checks in sections.items() for check in checks]
@@ -228,6 +228,17 @@ def stability(rows, train, monitor, b):
         f"; first at step {broken[0][0]}: {', '.join(broken[0][1][:4])}" if broken else ""
     )
     return out + [("non-finite metrics (NaN, inf)", value, "problem" if broken else "healthy", "none")]
+
+
+def engine_gap(train, monitor, config):
+    """The engine's log-probs of the sampled tokens against the trainer's (health.gap_bands), where logged."""
+    gaps, probs = column(train, "training/rollout_logprob_diff_max"), column(train, "training/rollout_probs_diff_mean")
+    if monitor.gap is None or not len(gaps) or len(gaps) != len(probs):
+        return []
+    over = int(((gaps > monitor.gap[0]) | (probs > monitor.gap[1])).sum())
+    value = f"largest log-prob gap {gaps.max():.3g} nats, probs_diff_mean up to {probs.max():.3g}; {over} of {len(gaps)} steps above"
+    band = f"logprob_diff_max <= {monitor.gap[0]:g} and probs_diff_mean <= {monitor.gap[1]:g} in {config.get('dtype', 'fp32')}"
+    return [("engine-vs-trainer gap (training/rollout_*)", value, "problem" if over else "healthy", band)]
 
 
 def update_size(train, b):

@@ -92,7 +92,10 @@ def make_engine(kind, model_path, *, verbose=False, **kwargs):
 
 
 def start_engine(args, world, ranks_here, device, dtype):
-    """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype)."""
+    """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype). With
+    --tensor-parallel-size T, each T consecutive ranks run one engine together and generate their
+    group's prompts (collect_rollout)."""
+    groups = world // args.tensor_parallel_size
     return make_engine(
         args.rollout,
         args.model,
@@ -104,8 +107,8 @@ def start_engine(args, world, ranks_here, device, dtype):
         distributed=True,
         device=device,
         verbose=args.verbose,
-        max_batch_size=args.prompt_batch_size // world * args.group_size,  # HFEngine: a step's rollout in one batch
-        sequences=args.prompt_batch_size // world * args.group_size,  # vLLM's KV cache on CPU: the same rollout
+        max_batch_size=args.prompt_batch_size // groups * args.group_size,  # HFEngine: a step's rollout in one batch
+        sequences=args.prompt_batch_size // groups * args.group_size,  # vLLM's KV cache on CPU: the same rollout
         memory_gib=free_memory_gib(device, ranks_here),
     )
 
@@ -136,6 +139,12 @@ def step_prompts(train_rows, step, batch, *, args, rank, world):
     local = args.prompt_batch_size // world
     first = (index_in_epoch if batch == 0 else 0) * args.prompt_batch_size + rank * local
     return order[first : first + local], rank * local
+
+
+def rollout_part(out, prompts, n):
+    """The samples of `prompts` (a slice of the generated prompts, n samples each) of a Rollout."""
+    cut = slice(prompts.start * n, prompts.stop * n)
+    return Rollout(*(getattr(out, f.name)[cut] for f in dataclasses.fields(Rollout)))
 
 
 def score_samples(reward, samples, texts, out, *, first, args, device, where=""):
@@ -225,10 +234,18 @@ def collect_rollout(
     further batches of prompts are generated until prompt_batch_size informative groups are held, or
     --max-gen-batches ran out: then the step trains on what it has, its informative groups repeated to
     fill the batch (each counts more; filter/* says so). The groups are dealt out to the ranks in their
-    global order, so 1 and 2 ranks that drew the same samples train on the same groups."""
+    global order, so 1 and 2 ranks that drew the same samples train on the same groups.
+
+    With --tensor-parallel-size T, the T consecutive ranks of a group run one vLLM engine SPMD
+    (external_launcher): each layer sums the ranks' partial results, so they must submit the same
+    requests, or the engine mixes their sequences (1.3 nats off the policy's log-probs, measured)
+    or its collectives fail. So a group generates its share of the global batch on every one of its
+    ranks, and each rank keeps its part: the prompts, seeds and split over ranks of T = 1."""
     n, local, pool = args.group_size, args.prompt_batch_size // world, {}
+    tp = args.tensor_parallel_size
+    kept = slice(rank % tp * local, (rank % tp + 1) * local)  # this rank's prompts of its group's
     for batch in range(args.max_gen_batches if args.filter_groups else 1):
-        indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank, world=world)
+        indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank // tp, world=world // tp)
         rows = [train_rows[i] for i in indices]
         with timed(timing, "gen"):
             engine.wake_up()
@@ -236,6 +253,7 @@ def collect_rollout(
             seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
             out = generate(engine, rows, tools, n=n, max_new_tokens=args.max_response_length, seeds=seeds, **kw)
             engine.sleep()
+        indices, rows, first, out = indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, n)
         with timed(timing, "reward"):
             samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
             texts = response_texts(out, tokenizer, eos_ids)

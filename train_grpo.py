@@ -74,7 +74,7 @@ from policy import (
 from reward import compute_score, load_reward_fns, reward_specs, reward_weights
 from rollout import collect_rollout, start_engine, stop_token_ids
 from run_log import RunLog, sample_records, should_stop, step_metrics, timed
-from weight_sync import probe_ids, sync_and_check
+from weight_sync import check_rollout, probe_ids, sync_and_check
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
@@ -260,7 +260,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
-    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps)
+    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps, config)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
     checkpointer, ahead = None, RolloutsAhead(args.max_staleness, total_steps)  # --max-staleness: made in advance
     if args.save_freq > 0:
@@ -373,6 +373,8 @@ def main():
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         skipped_steps = skipped_steps + 1 if skipped == optimizer_steps else 0
+        # the engine drew the samples from the policy: its log-probs are the trainer's (weight_sync.py)
+        check_rollout(trainer_logp, batch["engine_logp"], mask, ro.versions, step=step, args=args, device=device)
 
         # ---- copy the new weights into the engine
         with timed(timing, "update_weights"):

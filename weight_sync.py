@@ -1,4 +1,4 @@
-"""The trainer's weights into a rollout engine, and the check that the engine then serves them.
+"""The trainer's weights into a rollout engine, and the checks that the engine then serves them.
 
 Colocated (every rank its own engine, the default): sync_and_check copies them in, one full parameter
 at a time. With --rollout-ranks, trainer rank 0 sends them to the rollout ranks (rollout_ranks.py)
@@ -7,17 +7,19 @@ and each bucket's float64 sum and sum of squares, which the receiver checks. Wit
 merged weights.
 
 After every sync, check_engine compares the engine's log-probs of a fixed probe (the start of a
-training prompt) with the trainer's: a mean gap above PROBE_TOLERANCE means the engine does not serve
-the weights just sent (a load that failed quietly, LoRA adapters that never reached it: verl#7495),
-and raises WeightSyncError naming the version. Two implementations of the same weights differ by
-about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM against transformers), so in bf16 only a
-gross fault shows.
+training prompt) with the trainer's; every step, check_rollout those of the sampled tokens (the probe
+is the same prompt on every rank: a TP engine sent different requests by its ranks served it exactly,
+and its rollouts 1.4 nats off). A mean gap above PROBE_TOLERANCE means the engine does not serve the
+policy (a load that failed quietly, LoRA adapters that never reached it: verl#7495) and raises
+WeightSyncError. The same weights differ by about 1e-5 nats in fp32 and 0.05 in bf16 (SmolLM2, vLLM
+against transformers), so in bf16 only a gross fault shows.
 """
 
 import math
 
 import torch
 
+from distributed import all_sum
 from policy import compute_logprobs, full_parameters, make_batch
 
 BUCKET_MB = 64
@@ -52,6 +54,32 @@ def check_engine(engine, ids, expected, *, version, dtype):
             f"weight sync of policy version {version}: the engine's log-probs of the probe are {gap:.3g} nats from "
             f"the trainer's (mean over {len(expected)} tokens; at most {PROBE_TOLERANCE[dtype]} expected in {dtype}): "
             "the engine is not serving the weights it was sent"
+        )
+    return gap
+
+
+def check_rollout(trainer_logp, engine_logp, mask, versions, *, step, args, device):
+    """The mean gap, over every rank's tokens, between the engine's log-probs of the step's samples and
+    the trainer's ([N, R] each; mask [N, R]), in nats; WeightSyncError above PROBE_TOLERANCE[args.dtype].
+    Only the samples of the weights the trainer scored them with (version step - 1: with
+    --max-staleness older ones differ by the updates since) and only where the engine's distribution is
+    the trainer's: at --top-k / --top-p the engine's log-probs are over the kept tokens, and with
+    --lora-dropout the trainer's on-policy ones are under dropout. None: nothing to compare."""
+    fresh = [v == step - 1 for v in versions] if versions else [True] * mask.shape[0]
+    same = args.engine_logprobs and args.top_k == -1 and args.top_p == 1 and args.lora_dropout == 0
+    if not same:
+        return None
+    tokens = mask.bool() & torch.tensor(fresh, dtype=torch.bool)[:, None]  # [N, R]
+    count = int(all_sum(int(tokens.sum()), device))
+    if count == 0:
+        return None
+    gap = all_sum((trainer_logp - engine_logp)[tokens].abs().double().sum().item(), device) / count
+    if not gap <= PROBE_TOLERANCE[args.dtype]:  # NaN fails too
+        raise WeightSyncError(
+            f"step {step}: the engine's log-probs of the sampled tokens are {gap:.3g} nats from the trainer's (mean "
+            f"over {count} tokens of all ranks; at most {PROBE_TOLERANCE[args.dtype]} expected in {args.dtype}): the "
+            "rollout was not drawn from the policy being trained. With --tensor-parallel-size > 1, the ranks of a group "
+            "must send their engine the same requests; else check the weight sync (--verbose shows vLLM's logs)"
         )
     return gap
 

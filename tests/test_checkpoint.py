@@ -112,11 +112,49 @@ def test_killed_run_resumes_exactly_two_ranks(baselines, tmp_path, crash_at):
     assert sorted(checkpoint.saved_steps(tmp_path)) == [3, 4]  # retention kept the newest two
 
 
+@pytest.fixture(scope="module")
+def vllm_whole(tmp_path_factory):
+    """The uninterrupted run on the vLLM engine, 1 rank."""
+    root = tmp_path_factory.mktemp("vllm_whole")
+    train(root, engine="vllm")
+    return root
+
+
 @pytest.mark.slow
-def test_killed_vllm_run_resumes_exactly(tmp_path):
-    train(tmp_path / "whole", engine="vllm")
+def test_killed_vllm_run_resumes_exactly(vllm_whole, tmp_path):
     train(tmp_path / "killed", engine="vllm", crash_at="update:3")
     train(tmp_path / "killed", engine="vllm")
+    assert_same_run(vllm_whole, tmp_path / "killed")
+
+
+def train_samples(run):
+    """samples/train.jsonl: each step's first prompt group (rank 0's first prompt, the batch's first)."""
+    return [json.loads(line) for line in open(os.path.join(run, "samples", "train.jsonl"))]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_trains_on_the_policys_log_probs_and_resumes_exactly(vllm_whole, tmp_path):
+    """--tensor-parallel-size 2 on 2 CPU ranks: one vLLM engine over both, sent the same requests. Its
+    log-probs are the policy's to fp32's rounding (they were 1.4 nats off when each rank sent its own
+    prompts); it draws what 1 rank with TP 1 draws on the same prompts and seeds; a kill -9 resumes it
+    exactly."""
+    tp2 = ("--tensor-parallel-size", "2")
+    train(tmp_path / "whole", *tp2, ranks=2, engine="vllm")
+    rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+    gaps = [r["training/rollout_logprob_diff_max"] for r in rows if r["step"] > 0]
+    assert len(gaps) == 4 and max(gaps) < 1e-4, gaps  # fp32: 5e-7 here (1 rank: 1e-6)
+    assert all(r["training/rollout_probs_diff_mean"] < 1e-6 for r in rows if r["step"] > 0)
+    # the same prompts at every step; at step 1 (the same weights) the same samples. Later ones may part
+    # where the two engines' floats (TP sums partial results) move a draw across a token's boundary
+    one, two = train_samples(vllm_whole), train_samples(tmp_path / "whole")
+    assert [s["prompt"] for s in one] == [s["prompt"] for s in two]
+    assert [s for s in one if s["step"] == 1] == [s for s in two if s["step"] == 1]
+    assert (
+        rows[1]["critic/score/mean"]
+        == json.loads(open(vllm_whole / "metrics.jsonl").readlines()[1])["critic/score/mean"]
+    )
+    train(tmp_path / "killed", *tp2, ranks=2, engine="vllm", crash_at="update:3")
+    train(tmp_path / "killed", *tp2, ranks=2, engine="vllm")
     assert_same_run(tmp_path / "whole", tmp_path / "killed")
 
 

@@ -481,3 +481,20 @@ def test_grad_checkpointing_turns_shared_prompts_off_unless_asked_for(monkeypatc
     assert config.parse_args(["--model", "m"]).share_prompts is True
     assert config.parse_args(["--model", "m", "--grad-checkpointing"]).share_prompts is False
     assert config.parse_args(["--model", "m", "--no-share-prompts"]).share_prompts is False
+
+
+def test_what_tensor_parallelism_cannot_do_right_is_refused_by_name():
+    """--tensor-parallel-size T: T consecutive ranks share one vLLM engine and must send it the same requests."""
+    ok = config.Args(prompt_batch_size=8, mini_batch_size=8, tensor_parallel_size=2, rollout="vllm")
+    assert config.check_args(ok, world=2) == [] and config.check_args(ok, world=4) == []
+    odd = dataclasses.replace(ok, prompt_batch_size=6, mini_batch_size=6, tensor_parallel_size=4)
+    assert config.check_args(odd, world=6) == [
+        "--tensor-parallel-size 4 must divide the number of ranks (WORLD_SIZE=6)"
+    ]
+    for change, message in [
+        (dict(rollout="hf"), "--tensor-parallel-size > 1 is vLLM's: drop --rollout hf"),
+        (dict(engine_logprobs=False), "--tensor-parallel-size > 1 needs the engine's log-probs"),
+        (dict(rollout_ranks=1), "--rollout-ranks: each rollout rank runs a whole engine; use --tensor-parallel-size 1"),
+    ]:
+        problems = config.check_args(dataclasses.replace(ok, **change), world=4)
+        assert any(p.startswith(message) for p in problems), problems

@@ -312,3 +312,28 @@ def test_a_resumed_runs_first_step_with_its_start_up_is_not_a_slow_step(tmp_path
     write_run(tmp_path / "unmarked", rows)
     path, _ = report.write_report(str(tmp_path / "unmarked"))
     assert verdicts(open(path).read())["step time (timing_s/step)"] == "problem"
+
+
+def test_an_engine_gap_far_past_the_dtypes_rounding_is_a_problem_live_and_in_the_report(tmp_path):
+    """training/rollout_logprob_diff_max 1.4 nats: the engine's log-probs are not the policy's, in fp32
+    (normal: 1e-6). In bf16 its rounding alone reaches 0.6 (docs/precision.md); with --max-staleness the
+    gap also holds the updates since the samples were drawn, so it is not judged."""
+    gap = {"training/rollout_logprob_diff_max": 1.4, "training/rollout_probs_diff_mean": 0.014}
+    fine = {"training/rollout_logprob_diff_max": 1e-6, "training/rollout_probs_diff_mean": 5e-9}
+    fp32 = health.Monitor(health.Bands(), total_steps=100, config={"dtype": "fp32"})
+    assert feed(fp32, [step_row(s, **fine) for s in range(1, 4)]) == []
+    warnings = feed(fp32, [step_row(4, **gap)])
+    assert len(warnings) == 1 and "the engine's log-probs are not the policy's" in warnings[0]
+    assert "1.4 nats" in warnings[0] and "<= 0.01" in warnings[0], warnings
+    bf16 = {"training/rollout_logprob_diff_max": 0.6, "training/rollout_probs_diff_mean": 8.3e-3}
+    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "bf16"}), [step_row(1, **bf16)]) == []
+    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "fp32"}), [step_row(1, **bf16)]) != []
+    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "fp32", "max_staleness": 1}), [step_row(1, **gap)]) == []
+
+    rows = [{"step": 0, VAL: 0.1}] + [step_row(s, **(gap if s == 3 else fine)) for s in range(1, 6)]
+    write_run(tmp_path / "run", rows)
+    path, counts = report.write_report(str(tmp_path / "run"))
+    text = open(path).read()
+    assert verdicts(text)["engine-vs-trainer gap (training/rollout_*)"] == "problem", text
+    assert "largest log-prob gap 1.4 nats" in text and "1 of 5 steps above" in text and "in fp32" in text
+    assert "the engine's log-probs are not the policy's" in text  # the live warning, replayed

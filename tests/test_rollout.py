@@ -373,3 +373,59 @@ def test_every_rank_count_gives_each_prompt_the_same_place_and_seed():
             assert len(set(one[0])) == 8 and len(set(one[1])) == 8
             assert global_batch(step, batch, 2) == one and global_batch(step, batch, 4) == one
     assert global_batch(1, 0, 1) != global_batch(2, 0, 1)
+
+
+class RecordingEngine:
+    """Answers each prompt with tokens made of its seed and first token, and records every request."""
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, prompts, *, n, seeds, **sampling):
+        from rollout import Rollout
+
+        self.requests.append(([list(p) for p in prompts], list(seeds)))
+        ids = [[s * n + j, p[0]] for p, s in zip(prompts, seeds) for j in range(n)]
+        return Rollout(ids, [[-0.5, -0.5] for _ in ids], [False] * len(ids))
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):
+        pass
+
+
+def test_a_tensor_parallel_group_sends_the_same_requests_and_each_rank_keeps_its_part_of_tp_1s():
+    """--tensor-parallel-size T: the T ranks of a group run one vLLM engine SPMD, which is right only when
+    they send it the same requests (else 1.3 nats off the policy's log-probs). Each group generates its
+    share of the global batch, with the seeds of the prompts' global places; each rank then keeps exactly
+    the prompts, seeds and samples it has with T = 1."""
+    from types import SimpleNamespace
+
+    from rollout import collect_rollout
+
+    rows = [dict(prompt_ids=[100 + i, 7], data_source="x", reward_model=dict(ground_truth="1")) for i in range(40)]
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
+    args = SimpleNamespace(prompt_batch_size=8, group_size=2, seed=3, filter_groups=False, max_gen_batches=1)
+    args.__dict__.update(temperature=1.0, top_p=1.0, top_k=-1, engine_logprobs=True, max_response_length=4)
+    args.__dict__.update(reward_errors="raise", overlong_buffer_len=0)
+    reward = (lambda data_source, solution_str, ground_truth, extra_info=None: 0.0, None)
+
+    def step(world, tp):
+        args.tensor_parallel_size = tp
+        engines, kept = [RecordingEngine() for _ in range(world)], []
+        for rank, engine in enumerate(engines):
+            ro = collect_rollout(engine, rows, 2, args=args, rank=rank, world=world, tokenizer=tokenizer, reward=reward,
+                                 eos_ids=set(), timing={}, device="cpu")  # fmt: skip
+            kept.append((ro.indices, ro.response_ids, ro.logprobs, ro.texts))
+        return [e.requests for e in engines], kept
+
+    for world in (2, 4):
+        _, alone = step(world, 1)
+        for tp in (2, world):
+            requests, kept = step(world, tp)
+            assert kept == alone  # each rank: the same prompts, seeds (in the response ids) and samples
+            for group in range(world // tp):
+                same = requests[group * tp : (group + 1) * tp]
+                assert all(r == same[0] for r in same)  # one engine, the same requests on all its ranks
+                assert len(same[0][0][0]) == args.prompt_batch_size // (world // tp)  # the group's share

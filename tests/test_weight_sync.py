@@ -75,3 +75,37 @@ def test_buckets_carry_every_tensor_exactly():
         tensors[3][1].double().sum().item(),
         tensors[3][1].double().square().sum().item(),
     )
+
+
+def test_a_rollout_whose_engine_log_probs_are_not_the_policys_stops_the_run_naming_the_gap():
+    """The probe is the same prompt on every rank; an engine wrong only on the rollout's own requests
+    (a tensor-parallel group whose ranks sent different ones: 1.4 nats in fp32) passed it. The step's
+    sampled tokens are compared too: only those of the weights the trainer scored them with, and only
+    where the engine's distribution is the trainer's."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from weight_sync import check_rollout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        args = SimpleNamespace(dtype="fp32", engine_logprobs=True, top_k=-1, top_p=1.0, lora_dropout=0.0)
+        trainer = -torch.rand(4, 3) - 0.1  # [N, R]
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float)
+        kw = dict(step=5, args=args, device="cpu")
+        assert check_rollout(trainer, trainer + 1e-6, mask, [4] * 4, **kw) < 1e-5  # fp32's own error
+        wrong = trainer.clone()
+        wrong[1, 1] -= 1.4  # one token of a rank's sample
+        with pytest.raises(WeightSyncError, match=r"step 5: the engine's log-probs .* 0.156 nats .* over 9 tokens"):
+            check_rollout(trainer, wrong, mask, [4] * 4, **kw)
+        assert check_rollout(trainer, wrong, mask, [4, 3, 4, 4], **kw) < 1e-5  # that sample is a version older
+        args.dtype = "bf16"  # its rounding alone: 0.04 nats on average (SmolLM2)
+        assert check_rollout(trainer, wrong, mask, [4] * 4, **kw) == pytest.approx(1.4 / 9)
+        with pytest.raises(WeightSyncError, match="at most 0.25 expected in bf16"):
+            check_rollout(trainer, trainer - 0.3, mask, [4] * 4, **kw)
+        args.top_k = 20  # the engine's log-probs are over the 20 kept tokens: not comparable
+        assert check_rollout(trainer, wrong, mask, [4] * 4, **kw) is None
+    finally:
+        dist.destroy_process_group()
