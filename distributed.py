@@ -159,18 +159,19 @@ def all_gather(obj):
 
 
 def reduce_metrics(metrics, device):
-    """Average metrics over ranks; keys ending in /max or /min take the max or min. A key that some
-    ranks lack (a reward's extra keys may differ between ranks) is averaged over the ranks that have it."""
+    """Average metrics over ranks; keys ending in max or min (verl's critic/score/max, and its
+    training/rollout_logprob_diff_max) take the max or min. A key that some ranks lack (a reward's extra
+    keys may differ between ranks) is averaged over the ranks that have it."""
     if dist.get_world_size() == 1:
         return metrics
     keys = sorted(set().union(*all_gather(sorted(metrics))))  # every rank reduces the same list
     out = {}
     for op, pick, missing in (
-        (dist.ReduceOp.MAX, "/max", -math.inf),
-        (dist.ReduceOp.MIN, "/min", math.inf),
+        (dist.ReduceOp.MAX, ("/max", "_max"), -math.inf),
+        (dist.ReduceOp.MIN, ("/min", "_min"), math.inf),
         (dist.ReduceOp.SUM, None, 0.0),
     ):
-        sel = [k for k in keys if (k.endswith(pick) if pick else not k.endswith(("/max", "/min")))]
+        sel = [k for k in keys if (k.endswith(pick) if pick else not k.endswith(("/max", "_max", "/min", "_min")))]
         if not sel:
             continue
         t = torch.tensor([float(metrics.get(k, missing)) for k in sel], dtype=torch.float64, device=device)

@@ -19,6 +19,7 @@ def reduce_on(rank, port, results):
         "critic/score/mean": [0.25, 0.75][rank],
         "critic/score/max": [1.0, 3.0][rank],
         "critic/score/min": [0.0, -1.0][rank],
+        "training/rollout_logprob_diff_max": [2e-6, 1e-6][rank],  # verl's name, without the slash: a max too
     }
     if rank == 1:  # a reward that returned an extra key on this rank's samples only
         metrics["reward_extra/acc/mean"] = 0.5
@@ -38,6 +39,7 @@ def test_metrics_are_reduced_over_ranks_even_when_their_keys_differ():
         "critic/score/mean": 0.5,
         "critic/score/max": 3.0,
         "critic/score/min": -1.0,
+        "training/rollout_logprob_diff_max": 2e-6,
         "reward_extra/acc/mean": 0.5,
     }
     assert results[0] == results[1] == expected  # the same on both ranks; the extra key averaged where it exists
