@@ -176,7 +176,7 @@ def placement_rules(a, world):
         ),
         (not a.stream_rollouts or a.rollout != "hf", "--stream-rollouts needs the vLLM engine: drop --rollout hf"),
         # --tensor-parallel-size T: T consecutive ranks run one vLLM engine on the same requests (rollout.collect_rollout)
-        (world % tp == 0, f"--tensor-parallel-size {tp} must divide the number of ranks (WORLD_SIZE={world})"),
+        (world % max(tp, 1) == 0, f"--tensor-parallel-size {tp} must divide the number of ranks (WORLD_SIZE={world})"),
         (tp == 1 or a.rollout != "hf", "--tensor-parallel-size > 1 is vLLM's: drop --rollout hf, or use 1"),
         (
             tp == 1 or a.engine_logprobs,
