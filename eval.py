@@ -358,6 +358,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
+    from chat_template import ChatTemplateError
     from memory import free_memory_gib
     from models import check_model_path, context_length
     from policy import compute_dtype
@@ -391,7 +392,7 @@ def main(argv=None):
     try:
         known = None if args.reward_fn else BUILTIN_SOURCES
         rows, _ = data_prep.load_prompts(args.data, tokenizer, known, schemas=tools.schemas if tools else None)
-    except data_prep.DataError as err:
+    except (data_prep.DataError, ChatTemplateError) as err:
         raise SystemExit(str(err)) from None
     if args.max_prompts > 0:
         rows = rows[: args.max_prompts]

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from chat_template import bound_chat_template
 from policy import shard
 
 
@@ -46,8 +47,6 @@ def load_reward_model(path, mesh, device, dtype=torch.float32):
     save_pretrained, after check_reward_model. Never runs code from the directory (trust_remote_code=False).
     Its chat template is code from the directory too: each render stops past a time limit (bound_chat_template)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from data_prep import bound_chat_template
 
     check_reward_model(path)
     try:

@@ -10,7 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import chat_template
 import data_prep
+from chat_template import ChatTemplateError
 from data_prep import DataError, load_dataset
 from tasks.digits import TASK_WORDS, write_digits
 
@@ -230,7 +232,7 @@ def guard(monkeypatch):
     """A short CHAT_TEMPLATE_SECONDS (30 s in a run), and a timer of our own running meanwhile: it fails
     a test whose render is never stopped, and the bounded renders must leave it, and its handler, as they
     were (a render saves and restores them)."""
-    monkeypatch.setattr(data_prep, "CHAT_TEMPLATE_SECONDS", 0.25)
+    monkeypatch.setattr(chat_template, "CHAT_TEMPLATE_SECONDS", 0.25)
     before = signal.signal(signal.SIGALRM, fail_the_test)
     signal.setitimer(signal.ITIMER_REAL, 120)
     try:
@@ -259,10 +261,10 @@ def test_a_chat_template_that_loops_is_stopped_at_every_render_naming_its_file(t
     ]
     for render in renders:
         start = time.monotonic()
-        with pytest.raises(DataError) as err:
+        with pytest.raises(ChatTemplateError) as err:
             render()
         assert time.monotonic() - start < 10
-        assert stopped in str(err.value) and "(the limit: data_prep.CHAT_TEMPLATE_SECONDS)" in str(err.value)
+        assert stopped in str(err.value) and "(the limit: chat_template.CHAT_TEMPLATE_SECONDS)" in str(err.value)
 
 
 def test_a_looping_template_in_tokenizer_config_json_is_named_there_and_ends_the_trainer(tmp_path, guard):
@@ -301,7 +303,7 @@ def test_a_bounded_template_renders_as_before_and_off_the_main_thread_says_it_is
         rows, _ = data_prep.load_prompts(test, tokenizer)
         assert [row["prompt_ids"] for row in rows] == unbounded
     bounded = tokenizer.apply_chat_template
-    assert bounded.func is data_prep.bounded_render and bounded.args == (tokenizer, f"{model}/chat_template.jinja")
+    assert bounded.func is chat_template.bounded_render and bounded.args == (tokenizer, f"{model}/chat_template.jinja")
     # signals reach the main thread only: a render on another thread (none of ours) is not stopped, and says so
     with pytest.warns(UserWarning, match="chat_template.jinja: a chat template rendered off the main thread is not"):
         with ThreadPoolExecutor(1) as pool:

@@ -1,7 +1,7 @@
 """Bad inputs fail when they are loaded, naming the file at fault, not at the training step or
 engine load that first touches them: data rows with no reward, model directories with a piece
 missing or cut short (models.check_model_path), and chat templates that never finish rendering
-(data_prep.bound_chat_template). No engine is built here."""
+(chat_template.bound_chat_template). No engine is built here."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_data_prep import GOOD, guard, looping_model  # noqa: F401 (guard: a fixture); GOOD: one valid row
 
+from chat_template import ChatTemplateError
 from data_prep import DataError, load_dataset
 from models import check_model_path
 from reward import BUILTIN_SOURCES
@@ -326,7 +327,7 @@ def test_context_length_follows_vllms_rule(model_copy):
 
 
 # ----------------------------------------------------------------------------------------------
-# chat templates that loop: code from the model directory, stopped past data_prep.CHAT_TEMPLATE_SECONDS
+# chat templates that loop: code from the model directory, stopped past chat_template.CHAT_TEMPLATE_SECONDS
 
 
 @pytest.mark.usefixtures("guard")  # the limit at 0.25 s; a render never stopped fails the test
@@ -339,7 +340,7 @@ def test_a_reward_models_looping_chat_template_is_stopped_naming_its_file(tmp_pa
     rm = build_random_model(str(tmp_path / "rm"), looping_model(tmp_path / "tiny"), reward_model=True)
     monkeypatch.setattr(reward_model, "shard", lambda model, mesh, dtype: model)  # one process, no FSDP2 here
     _, tokenizer = reward_model.load_reward_model(rm, None, torch.device("cpu"))  # its own tokenizer, bounded
-    with pytest.raises(DataError) as err:
+    with pytest.raises(ChatTemplateError) as err:
         reward_model.render(tokenizer, [GOOD] * 4, ["2"] * 4)
     assert str(err.value).startswith(f"{rm}/chat_template.jinja: the chat template rendered for more than 0.25 s")
 
@@ -357,7 +358,7 @@ def test_eval_on_a_model_whose_chat_template_loops_ends_naming_the_file(tmp_path
 
     write_digits(str(tmp_path / "data"), seed=0, train_size=4, test_size=5)
     model = looping_model(tmp_path / "model")
-    run = "import data_prep, eval; data_prep.CHAT_TEMPLATE_SECONDS = 1; eval.main()"
+    run = "import chat_template, eval; chat_template.CHAT_TEMPLATE_SECONDS = 1; eval.main()"
     flags = ["--model", model, "--data", str(tmp_path / "data" / "test.parquet"), "--rollout", "hf"]
     proc = subprocess.run([sys.executable, "-c", run, *flags], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
