@@ -206,7 +206,8 @@ def main():
     n_matmul = matmul_params(model_dir)
     n_params = weights_size(model_dir) / 4  # saved in fp32
     tokens = args.micro_batch_tokens
-    shapes = [(8192, 8192, 8192), (tokens, config.hidden_size, config.intermediate_size)]
+    big = 8192 if torch.cuda.is_available() else 1024  # a CPU dry run: seconds, not minutes
+    shapes = [(big, big, big), (min(tokens, 8 * big), config.hidden_size, config.intermediate_size)]
     rates = matmul_rates(args.dtype, shapes)
     rate = rates[shapes[1]]
     print_table(
