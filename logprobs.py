@@ -62,7 +62,8 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     a core's L2 cache here): it stays in cache between the matmul that writes it and the passes of the
     softmax that read it. On GPUs a block is every token of the micro-batch (up to 16k) by a slice of
     the vocabulary: few large kernels, and in the backward each slice's weight gradient is written once
-    for all tokens (a vocabulary-major backward), added in place into the fp32 accumulator.
+    for all tokens (a vocabulary-major backward), added in place into the fp32 accumulator, and each
+    block's elementwise passes run as one compiled kernel each way (block_passes).
 
     The forward keeps, per token and vocabulary block b, the block's max m_b and, shifted by it,
     s_b = sum_j exp(z_j - m_b) and t_b = sum_j exp(z_j - m_b)(z_j - m_b), and combines them with
@@ -80,11 +81,15 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         n, V = labels.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
-        z, e = _block_buffers(hidden, rows, cols, V, 2)
+        passes = block_passes(hidden.device)
+        z, e = _block_buffers(hidden, rows, cols, V, 2) if passes is None else (None, None)
         vocab_blocks = list(_spans(V, cols))
         for r in _spans(n, rows):
             m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
             for b, v in enumerate(vocab_blocks):
+                if passes is not None:  # GPUs: the max and both sums in one compiled kernel
+                    m[b], s[b], t[b] = passes[0](hidden[r] @ weight[v].T, temperature)
+                    continue
                 zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
                 torch.amax(zb, -1, out=m[b])
                 d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
@@ -116,15 +121,19 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         g_logp = zero if g_logp is None else g_logp.float()
         a = None if g_entropy is None else -g_entropy.float()
         c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
-        z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2)
+        passes = block_passes(hidden.device)
+        z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2) if passes is None else (None, None)
         for r in _spans(n, ctx.rows):  # on GPUs one token block: each vocabulary slice's grad_w is written once
             for v in _spans(V, ctx.cols):
-                zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
-                g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
-                if a is None:
-                    g.mul_(c[r, None])
+                if passes is not None:  # GPUs: p (a z + c) in one compiled kernel, in the matmul's dtype
+                    g = passes[1](hidden[r] @ weight[v].T, ctx.temperature, lse[r], None if a is None else a[r], c[r])
                 else:
-                    g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
+                    zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
+                    g = torch.sub(zb, lse[r, None], out=_block(e, zb.shape)).exp_()  # p
+                    if a is None:
+                        g.mul_(c[r, None])
+                    else:
+                        g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
                 g = g if g.dtype == weight.dtype else g.to(weight.dtype)  # the matmuls in the inputs' dtype
                 if want_h:
                     _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
@@ -185,6 +194,45 @@ def _add_product(out, a, b):
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out += (a @ b).float()
+
+
+def block_stats(z, temperature):
+    """One block's logits [r, k] (in the matmul's dtype) -> per token, in fp32: the max m, sum_j exp(z_j - m)
+    and sum_j exp(z_j - m)(z_j - m), of z / temperature: the forward's passes over a block."""
+    z = z.float() / temperature
+    m = z.amax(-1)
+    d = z - m[:, None]
+    p = d.exp()
+    return m, p.sum(-1), (p * d).sum(-1)
+
+
+def block_grad(z, temperature, lse, a, c):
+    """d loss / d z on one block [r, k] but the onehot term, p (a z + c) (p c when a is None: no entropy
+    gradient), with p = exp(z / temperature - lse), in z's dtype: the backward's passes over a block."""
+    dtype, z = z.dtype, z.float() / temperature
+    p = (z - lse[:, None]).exp()
+    g = p * c[:, None] if a is None else p * (z * a[:, None] + c[:, None])
+    return g.to(dtype)  # the cast in the same kernel
+
+
+def block_passes(device):
+    """The functions that make one block's elementwise passes: on CUDA block_stats and block_grad compiled
+    by torch.compile (a block's 5 to 7 passes over 256 MiB of fp32 logits become one kernel each way: the
+    head 2.9x faster on an H200, BENCHMARKS.md), else None: the CPU's loop of in-place passes over blocks
+    that stay in cache. Without Triton, the same functions uncompiled."""
+    if device.type != "cuda":
+        return None
+    if not _COMPILED:
+        try:
+            import triton  # noqa: F401  (what torch.compile needs for CUDA kernels)
+
+            _COMPILED.extend(torch.compile(f) for f in (block_stats, block_grad))
+        except ImportError:
+            _COMPILED.extend((block_stats, block_grad))
+    return _COMPILED
+
+
+_COMPILED = []  # block_passes' compiled functions, made on first use
 
 
 def head_blocks(n, V, device):

@@ -150,3 +150,25 @@ def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_d
     assert all(paths[k]["ok"] for k in ("whole-a", "killed", "resumed")), paths
     assert paths["killed"]["steps"] == [1] and paths["resumed"]["resumed_from_checkpoint"]
     assert paths["resumed"]["steps"] == [1, 2, 3] and paths["resumed vs whole-a"]["differ"] == 0
+
+
+@pytest.mark.slow
+def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8k_data):
+    """benchmarks/gpu_compile.py --dry-run: the head's passes compiled (traced, the eager backend) give the
+    in-place passes' numbers, and every setting's update runs with the graphs it compiles."""
+    import json
+    import subprocess
+
+    from conftest import QWEN_DIR, need
+
+    need(QWEN_DIR)
+    out = tmp_path / "gpu_compile.json"
+    cmd = [sys.executable, "benchmarks/gpu_compile.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_data)]
+    proc = subprocess.run(cmd + ["--json", str(out)], cwd=common.REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert all(v < 1e-5 * max(1.0, stages["head"]["scale"][k]) for k, v in stages["head"]["max_diff"].items())
+    rows = stages["update"]
+    assert all("update_s" in row for row in rows.values()) and len(rows) == 5, rows
+    assert rows["in-place head"]["graphs"] == 0 and rows["shipped"]["graphs"] >= 2
+    assert rows["shipped + blocks"]["graphs"] > rows["shipped"]["graphs"]

@@ -16,6 +16,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 import gpu_update  # noqa: E402
 
 import distributed  # noqa: E402
+import logprobs  # noqa: E402
 import policy  # noqa: E402
 from logprobs import head_blocks, head_logprobs_entropy  # noqa: E402
 
@@ -31,11 +32,23 @@ def test_gpu_blocks_hold_every_token_and_a_vocabulary_slice_within_the_budget(n,
     assert head_blocks(n, V, torch.device("cpu")) == (512, 512)  # the CPU's, measured best there
 
 
-def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient():
+def traced_passes():
+    """block_passes' functions through torch.compile's tracing, whole (fullgraph: no fallback to Python),
+    with the eager backend: the graphs a GPU compiles into kernels, run here."""
+    return [torch.compile(f, backend="eager", fullgraph=True) for f in (logprobs.block_stats, logprobs.block_grad)]
+
+
+@pytest.mark.parametrize("passes", ["in place", "block functions", "traced"])
+def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient(passes, monkeypatch):
     """The GPU geometry, run here: 17,000 tokens are two token blocks (16,384 and an uneven 616) and a
     4,500-entry vocabulary two slices (4,096 and 404), against log_softmax and the entropy of the full
     fp64 logits: both outputs and both gradients to 1e-5 of their largest entry, or 1e-5 below 1 (the
-    softmax runs in fp32 in every geometry; the weight's gradient sums 17,000 tokens)."""
+    softmax runs in fp32 in every geometry; the weight's gradient sums 17,000 tokens). Each block's passes
+    as the CPU makes them (in place), and as GPUs do (block_passes: the functions, and traced whole as
+    torch.compile sees them)."""
+    if passes != "in place":
+        functions = [logprobs.block_stats, logprobs.block_grad] if passes == "block functions" else traced_passes()
+        monkeypatch.setattr(logprobs, "block_passes", lambda device: functions)
     torch.manual_seed(0)
     n, V, H = 17000, 4500, 4
     rows, cols = head_blocks(n, V, CUDA)
@@ -55,6 +68,23 @@ def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient():
     for a, b in zip(got, [logp_ref, ent_ref, h.grad, w.grad]):
         tolerance = 1e-5 * max(1.0, b.abs().max().item())
         assert (a.double() - b.detach()).abs().max().item() <= tolerance
+
+
+def test_gpu_passes_without_the_entropy_give_the_cpu_passes_numbers(monkeypatch):
+    """entropy=False (the old and reference log-probs; no entropy gradient, block_grad's p c): the GPU's
+    block functions, traced, against the CPU's in-place passes on the same blocks, fp32."""
+    torch.manual_seed(0)
+    hidden, weight, labels = torch.randn(1, 300, 8), torch.randn(1000, 8) * 0.5, torch.randint(0, 1000, (1, 300))
+    out = []
+    for functions in (None, traced_passes()):
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, f=functions: f)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = head_logprobs_entropy(h, w, labels, 0.9, rows=128, cols=256, entropy=False)
+        (logp * torch.linspace(-1, 1, 300)).sum().backward()
+        assert ent is None
+        out.append((logp, h.grad, w.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
