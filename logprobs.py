@@ -7,6 +7,8 @@ entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses (p
 and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
 """
 
+import sys
+
 import torch
 
 
@@ -219,20 +221,34 @@ def block_passes(device):
     """The functions that make one block's elementwise passes: on CUDA block_stats and block_grad compiled
     by torch.compile (a block's 5 to 7 passes over 256 MiB of fp32 logits become one kernel each way: the
     head 2.9x faster on an H200, BENCHMARKS.md), else None: the CPU's loop of in-place passes over blocks
-    that stay in cache. Without Triton, the same functions uncompiled."""
+    that stay in cache. Where compiling fails (no working Triton), the same functions uncompiled."""
     if device.type != "cuda":
         return None
-    if not _COMPILED:
-        try:
-            import triton  # noqa: F401  (what torch.compile needs for CUDA kernels)
-
-            _COMPILED.extend(torch.compile(f) for f in (block_stats, block_grad))
-        except ImportError:
-            _COMPILED.extend((block_stats, block_grad))
-    return _COMPILED
+    if not _PASSES:
+        _PASSES.extend(_compiled_or_not(f) for f in (block_stats, block_grad))
+    return _PASSES
 
 
-_COMPILED = []  # block_passes' compiled functions, made on first use
+_PASSES = []  # block_passes' functions, made on first use
+
+
+def _compiled_or_not(fn):
+    """fn compiled; if its first compile fails, fn itself from then on, said once on stderr."""
+    compiled, chosen = torch.compile(fn), []
+
+    def call(*args):
+        if not chosen:
+            try:
+                out = compiled(*args)
+                chosen.append(compiled)
+                return out
+            except Exception as e:  # noqa: BLE001  (any compiler failure: the eager function is the same math)
+                print(f"logprobs: torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); "
+                      "running it uncompiled, slower", file=sys.stderr)  # fmt: skip
+                chosen.append(fn)
+        return chosen[0](*args)
+
+    return call
 
 
 def head_blocks(n, V, device):

@@ -87,6 +87,23 @@ def test_gpu_passes_without_the_entropy_give_the_cpu_passes_numbers(monkeypatch)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_a_pass_whose_compile_fails_runs_uncompiled_and_says_so(monkeypatch, capsys):
+    """A GPU without a working Triton: the first call's compile error is said once, and the block's pass
+    runs as the plain function from then on, with its numbers."""
+
+    def broken(*args):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(torch, "compile", lambda fn: broken)
+    stats = logprobs._compiled_or_not(logprobs.block_stats)
+    z = torch.randn(5, 7)
+    for _ in range(2):
+        for a, b in zip(stats(z, 0.7), logprobs.block_stats(z, 0.7)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    err = capsys.readouterr().err
+    assert err.count("torch.compile of block_stats failed") == 1 and "triton" in err
+
+
 # ----------------------------------------------------------------------------------------------
 # The overflow check: the decision of the per-tensor version (kept in benchmarks/gpu_update.py), one
 # number to the host
