@@ -52,6 +52,7 @@ from distributed import (
     run,
     stop_requested,
 )
+from engine import stop_token_ids
 from eval import keep_best, run_validation, validate_step
 from loss import agg_denominator, loss_agg_for, micro_batch_loss
 from memory import check_update_memory
@@ -72,7 +73,7 @@ from policy import (
     window,
 )
 from reward import compute_score, load_reward_fns, reward_specs, reward_weights
-from rollout import collect_rollout, start_engine, stop_token_ids
+from rollout import collect_rollout, start_engine
 from run_log import RunLog, sample_records, should_stop, step_metrics, timed
 from weight_sync import check_rollout, probe_ids, sync_and_check
 
