@@ -342,6 +342,13 @@ class Trainers:
             self.bridge.flush()
 
 
+def send_flags(placement, args):
+    """Trainer rank 0 sends the flags as the trainers resolved them to every rollout rank (rollout_rank.run)."""
+    if placement.rank == 0:
+        for r in range(1, placement.rollout_ranks + 1):
+            placement.bridge.send(args, r, START)
+
+
 @contextlib.contextmanager
 def stopped_if_exiting(placement):
     """Trainer rank 0 tells the rollout ranks to stop (before they start) if the block exits the process."""
