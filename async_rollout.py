@@ -51,17 +51,11 @@ class RolloutsAhead:
         self.max_staleness, self.total_steps, self.ready = max_staleness, total_steps, {}
         self.receive = None  # with rollout ranks: receive(j) -> step j's rollout, from them
 
-    def take(self, step, generate, remote=False):
+    def take(self, step, generate):
         """Step `step`'s rollout. The engine holds version step - 1: first it generates (generate(j) ->
         StepRollout) the rollouts not held yet of steps up to step + S: the one that version is due for, and
-        after a resume that extends a finished run, those the run's end left unmade. remote: the rollout
-        ranks made them, generate(j) receives step j's, with its versions (rollout_ranks.py)."""
+        after a resume that extends a finished run, those the run's end left unmade."""
         self.ready = {j: ro for j, ro in self.ready.items() if j >= step}  # what earlier steps trained on
-        self.receive = generate if remote else None
-        if remote:
-            if step not in self.ready:
-                self.ready[step] = generate(step)
-            return self.ready[step]
         version = step - 1
         for j in range(step, min(step + self.max_staleness, self.total_steps) + 1):
             if j in self.ready:
@@ -71,6 +65,15 @@ class RolloutsAhead:
             ro = generate(j)
             ro.versions = [version] * len(ro.response_ids)
             self.ready[j] = ro
+        return self.ready[step]
+
+    def receive_step(self, step, receive):
+        """Step `step`'s rollout, made by the rollout ranks: receive(j) gets step j's, with its versions
+        (rollout_ranks.Trainers.rollout), unless a checkpoint held it."""
+        self.ready = {j: ro for j, ro in self.ready.items() if j >= step}
+        self.receive = receive  # state() takes the steps made ahead from them too
+        if step not in self.ready:
+            self.ready[step] = receive(step)
         return self.ready[step]
 
     def state(self, done):

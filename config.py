@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import health
 from advantage import ADV_ESTIMATORS
+from flag_rules import placement_rules, timeout_rules
 from loss import AGG_MODES, KL_KINDS, LOSS_MODES
 from reward import reward_rules
-from reward_worker import timeout_rules
-from rollout_ranks import placement_rules
 
 
 def rule(default, must_be, ok, loss_mode=None):

@@ -359,11 +359,12 @@ def main(argv=None):
 
     import data_prep
     from chat_template import ChatTemplateError
+    from engine import stop_token_ids
     from memory import free_memory_gib
     from models import check_model_path, context_length
     from policy import compute_dtype
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
-    from rollout import make_engine, stop_token_ids
+    from rollout import make_engine
 
     distributed = "RANK" in os.environ
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it

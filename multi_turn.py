@@ -18,8 +18,8 @@ turn from a seed of (the sample's seed, turn), so 1 and 2 ranks, and a resumed r
 import dataclasses
 
 import tools
+from engine import Rollout, sample_seeds
 from reward import response_text
-from rollout import Rollout, sample_seeds
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class ToolSetup:
     worker: object  # tools.ToolWorker: runs the calls
     schemas: list  # one JSON schema per tool, as chat templates take `tools`
     tokenizer: object
-    eos_ids: set  # what ends the model's turn (rollout.stop_token_ids)
+    eos_ids: set  # what ends the model's turn (engine.stop_token_ids)
     max_turns: int  # model turns per sample (--max-turns)
     timeout: float  # seconds per call (--tool-timeout)
     max_chars: int  # characters of a result the model reads (--max-tool-response-length)

@@ -21,15 +21,15 @@ import math
 import numbers
 import os
 import sys
-import traceback
 import warnings
 from decimal import Decimal
 
-from reward_worker import RewardWorker
+from reward_worker import Worker
 from tasks.digits import DIGITS_SOURCE, digits_score
 from tasks.gsm8k import GSM8K_SOURCE, gsm8k_score
 from tasks.math import MATH_SOURCES, math_score
 from tasks.multiply import MULTIPLY_SOURCE, multiply_score
+from user_errors import RewardError, describe, safe_repr
 
 # ----------------------------------------------------------------------------------------------
 # Dispatch by data source (verl's `default_compute_score`)
@@ -77,35 +77,6 @@ def load_reward_fn(spec):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise AttributeError(f"reward file {path!r} has no function {name!r}; its functions: {found}")
     return fn
-
-
-class RewardError(RuntimeError):
-    """A reward function raised, exited, crashed, timed out, or returned something that is not a score."""
-
-
-def safe_repr(value, limit=80):
-    """repr(value), cut to `limit` characters; never raises (a reward may return anything)."""
-    try:
-        text = repr(value)
-    except Exception:  # a broken __repr__, or an int past Python's 4300-digit limit
-        text = f"<a {type(value).__name__} that cannot be printed>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def describe(e):
-    """What an exception from a reward function says, for an error message: "raised KeyError: 'x'
-    (my_reward.py:12, in f)" (the line it was raised at), or "called sys.exit(0)"."""
-    if isinstance(e, SystemExit):
-        return f"called sys.exit({safe_repr(e.code)})"
-    if isinstance(e, RewardError):  # weighted_score's, which already names the function
-        return str(e)
-    try:
-        text = str(e)
-    except Exception:
-        text = "<a message that cannot be printed>"
-    frames = traceback.extract_tb(e.__traceback__)
-    at = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
-    return f"raised {type(e).__name__}: {text[:500]}{at}"
 
 
 def real_number(value):
@@ -423,9 +394,45 @@ def load_reward_fns(specs, weights=None, timeout=300.0):
     return RewardWorker(specs, weights, timeout, names[0])
 
 
+class RewardWorker(Worker):
+    """Reward functions ('path/to/file.py:function' specs, summed with `weights` as load_reward_fns
+    does) run in this process's worker: score() returns one (score, extras, problem) per sample. `name`
+    is how error messages call them."""
+
+    what, timeout_flag = "reward worker", "--reward-timeout"
+
+    def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
+        self.specs, self.weights, self.__name__ = list(specs), weights, name
+        load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
+        super().__init__("reward:load_rewards", (self.specs, weights), timeout, load_error)
+
+    def waiting_on(self, request):
+        """'reward function f (my_reward.py)', or 'reward functions f (a.py), g (b.py)' for several."""
+        names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in self.specs)]
+        return f"reward function{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+    def score(self, samples, stop_on_error=False):
+        """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
+        order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
+        stops after the first problem: the list is then shorter than `samples`."""
+        results = self.call(samples, stop_on_error)
+        return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
+
+
+def load_rewards(setup):
+    """The reward worker's loader (Worker): the reward function of (specs, weights), and its answer to a
+    sample: ((score, extras), None) or (None, problem), as reward.score_one scores it."""
+    return functools.partial(answer_reward, load_reward_fns_in_process(*setup)), None
+
+
+def answer_reward(fn, sample):
+    score, extras, problem = score_one(fn, *sample)
+    return (None, problem) if problem is not None else ((score, extras), None)
+
+
 def response_text(tokenizer, ids, eos_ids):
     """The text the reward sees: every token the model wrote except a final EOS (any of `eos_ids`,
-    rollout.stop_token_ids). We keep the other special tokens (verl drops them): with them dropped,
+    engine.stop_token_ids). We keep the other special tokens (verl drops them): with them dropped,
     our tiny policy learned to pad its answer with <pad> and <bos> instead of ever stopping, and
     still got full reward."""
     if ids and ids[-1] in eos_ids:

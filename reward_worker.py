@@ -6,7 +6,7 @@ would kill it. So each rank runs them in one long-lived worker process of its ow
 
     this process                                   the worker (python reward_worker.py PARENT_PID)
     Worker(loader, setup, timeout)          ---->  loads the user's files itself (functions are never pickled)
-    call(requests): the batch, one message  ---->  answers each request in turn (RewardWorker: each sample)
+    call(requests): the batch, one message  ---->  answers each request in turn (reward.RewardWorker: each sample)
                                             <----  one reply per request: (value, None) or (None, problem)
 
 A request whose function raised, exited, crashed the worker or ran past `timeout` gets a problem instead of a
@@ -16,7 +16,6 @@ closes, or (Linux) this process dies, kill -9 included. Prints: OUTPUT_CAP; a st
 
 import atexit
 import fcntl
-import functools
 import importlib
 import os
 import pickle
@@ -28,6 +27,8 @@ import sys
 import termios
 import threading
 import time
+
+from user_errors import describe
 
 # Loading the user's files may take longer than one call: a file may import torch or sympy.
 LOAD_TIMEOUT = 60.0  # seconds, at least
@@ -59,25 +60,6 @@ def waits():
     return [
         f"waiting {now - since:.0f} s on {what}, which {flag or 'its timeout'} allows {timeout:g} s"
         for what, since, timeout, flag in list(_waiting.values())
-    ]
-
-
-def timeout_rules(args):
-    """config.check_args' rules for --reward-timeout and --tool-timeout: each below --collective-timeout.
-    While one rank waits on a call, the others wait for that rank in a collective: if they may give up first,
-    they stop the run over a call that was still allowed to finish. Equal is refused too: their clock may
-    have started before the call did. (A batch of slow calls may still outlast it: waits() then says so.)"""
-    limit = args.collective_timeout
-    return [
-        (
-            not used or timeout < limit,
-            f"{flag} ({timeout:g}) must be less than --collective-timeout ({limit:g}): while one {what} call runs, "
-            f"the other ranks wait for this one and give up first; lower {flag} or raise --collective-timeout",
-        )
-        for flag, timeout, used, what in (
-            ("--reward-timeout", args.reward_timeout, args.reward_fn, "--reward-fn"),
-            ("--tool-timeout", args.tool_timeout, args.tools, "--tools"),
-        )
     ]
 
 
@@ -295,31 +277,6 @@ class Worker:
         process.stderr.close()
 
 
-class RewardWorker(Worker):
-    """Reward functions ('path/to/file.py:function' specs, summed with `weights` as reward.load_reward_fns
-    does) run in this process's worker: score() returns one (score, extras, problem) per sample. `name`
-    is how error messages call them."""
-
-    what, timeout_flag = "reward worker", "--reward-timeout"
-
-    def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
-        self.specs, self.weights, self.__name__ = list(specs), weights, name
-        load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
-        super().__init__("reward_worker:load_rewards", (self.specs, weights), timeout, load_error)
-
-    def waiting_on(self, request):
-        """'reward function f (my_reward.py)', or 'reward functions f (a.py), g (b.py)' for several."""
-        names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in self.specs)]
-        return f"reward function{'s' if len(names) > 1 else ''} {', '.join(names)}"
-
-    def score(self, samples, stop_on_error=False):
-        """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
-        order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
-        stops after the first problem: the list is then shorter than `samples`."""
-        results = self.call(samples, stop_on_error)
-        return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
-
-
 def say(data):
     """Write `data` (bytes or text) to our stderr, all of it: os.write, as the worker's output came."""
     view = memoryview(data.encode() if isinstance(data, str) else data)
@@ -392,21 +349,6 @@ def die_with_parent(parent_pid):
         os._exit(1)
 
 
-def load_rewards(setup):
-    """The reward worker's loader (Worker): the reward function of (specs, weights), and its answer to a
-    sample: ((score, extras), None) or (None, problem), as reward.score_one scores it."""
-    import reward  # here, not at the top: reward imports this module
-
-    return functools.partial(answer_reward, reward.load_reward_fns_in_process(*setup)), None
-
-
-def answer_reward(fn, sample):
-    import reward
-
-    score, extras, problem = reward.score_one(fn, *sample)
-    return (None, problem) if problem is not None else ((score, extras), None)
-
-
 def serve(parent_pid):
     """The worker's loop. The first message is (loader, setup, what): loader(setup) returns (answer, info);
     then each message is a batch of requests, and each request gets one reply, answer(request). Ends when
@@ -415,8 +357,6 @@ def serve(parent_pid):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # what a user's function prints goes to stderr (a pipe the caller reads), not into our replies
     die_with_parent(parent_pid)
-    from reward import describe
-
     loader, setup, what = pickle.loads(read_message(requests))
     module, _, function = loader.partition(":")
     try:

@@ -152,49 +152,6 @@ def from_trainer():
     return opts
 
 
-def placement_rules(a, world):
-    """config.check_args' rules for --max-staleness, --rollout-ranks and --tensor-parallel-size, with
-    `world` ranks in all."""
-    tp = a.tensor_parallel_size
-    return [
-        (
-            a.max_staleness + a.rollout_ranks == 0 or a.engine_logprobs,
-            "--max-staleness and --rollout-ranks need the engine's log-probs: drop --no-engine-logprobs",
-        ),
-        (a.rollout_ranks < world, f"--rollout-ranks {a.rollout_ranks} leaves no trainer rank (WORLD_SIZE={world})"),
-        (
-            a.rollout_ranks == 0 or a.tensor_parallel_size == 1,
-            "--rollout-ranks: each rollout rank runs a whole engine; use --tensor-parallel-size 1",
-        ),
-        (
-            a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
-            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
-        ),
-        (
-            not a.stream_rollouts or a.rollout_ranks and a.max_staleness,
-            "--stream-rollouts needs --rollout-ranks K >= 1 and --max-staleness S >= 1",
-        ),
-        (not a.stream_rollouts or a.rollout != "hf", "--stream-rollouts needs the vLLM engine: drop --rollout hf"),
-        # --tensor-parallel-size T: T consecutive ranks run one vLLM engine on the same requests (rollout.collect_rollout)
-        (world % max(tp, 1) == 0, f"--tensor-parallel-size {tp} must divide the number of ranks (WORLD_SIZE={world})"),
-        (tp == 1 or a.rollout != "hf", "--tensor-parallel-size > 1 is vLLM's: drop --rollout hf, or use 1"),
-        (
-            tp == 1 or a.engine_logprobs,
-            "--tensor-parallel-size > 1 needs the engine's log-probs (each step checks them against the policy's): "
-            "drop --no-engine-logprobs",
-        ),
-        (
-            tp == 1 or not a.tools,
-            "--tensor-parallel-size > 1 with --tools: a group's ranks must send the same requests, and a tool's result "
-            "(a timeout) may differ between them; use --tensor-parallel-size 1",
-        ),
-        (
-            not a.stream_rollouts or not (a.tools or a.filter_groups),
-            "--stream-rollouts streams single-turn groups one by one: drop --tools and --filter-groups",
-        ),
-    ]
-
-
 def validation_due(version, args, total_steps, fresh):
     """Whether the trainer validates after `version` updates (0: before training, in a fresh run)."""
     if args.test_freq <= 0:
@@ -383,6 +340,13 @@ class Trainers:
             for r in self.receivers if early else ():
                 self.bridge.send(STOP, r, WEIGHTS)
             self.bridge.flush()
+
+
+def send_flags(placement, args):
+    """Trainer rank 0 sends the flags as the trainers resolved them to every rollout rank (rollout_rank.run)."""
+    if placement.rank == 0:
+        for r in range(1, placement.rollout_ranks + 1):
+            placement.bridge.send(args, r, START)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from advantage import zero_std_fraction
 from distributed import all_gather, all_sum, print0, reduce_metrics
 from health import FIRST_STEP
 from memory import memory_gb
+from multi_turn import turn_counts, turn_metrics
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
@@ -116,8 +117,6 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
         rollout_metrics(ro.scores, adv_values, lengths, prompt_lens, ro.truncated, ro.extras, args.group_size, device)
     )
     if ro.turns:
-        from multi_turn import turn_counts, turn_metrics  # not at the top: multi_turn -> rollout -> run_log
-
         metrics.update(turn_metrics(sum(all_gather(turn_counts(ro.turns)), [])))
     if skipped:
         metrics["actor/skipped_updates"] = skipped

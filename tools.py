@@ -22,8 +22,8 @@ import os
 import sys
 from typing import NamedTuple
 
-from reward import describe, safe_repr
 from reward_worker import TIMED_OUT, Worker
+from user_errors import describe, safe_repr
 
 # What happened to each call (run_calls): the model reads each failure as an "error: ..." message
 STATUSES = ("ok", "malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "truncated")

@@ -4,11 +4,11 @@
     torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct \\
         --train-data data/gsm8k/train.parquet --val-data data/gsm8k/test.parquet
 
-Each step: n responses per prompt from the engine colocated in every rank (rollout.py) -> rewards
-(reward.py) -> group-normalized advantages (advantage.py) -> old and reference log-probs -> the
-clipped surrogate + KL loss (loss.py) over mini- and micro-batches of the FSDP2 policy (policy.py)
--> the new weights into the engine -> log, validate, checkpoint. The same command resumes a run
-exactly (checkpoint.py). Kept from verl's GRPO: its data schema, formulas, defaults and metric
+Each step: n responses per prompt from the engine in every rank or from rollout ranks (the loop takes them
+from rollout_source.py, whichever it is) -> rewards (reward.py) -> group-normalized advantages (advantage.py)
+-> old and reference log-probs -> the clipped surrogate + KL loss (loss.py) over mini- and micro-batches of
+the FSDP2 policy (policy.py) -> the new weights to the engine -> log, validate, checkpoint. The same command
+resumes a run exactly (checkpoint.py). Kept from verl's GRPO: its data schema, formulas, defaults and metric
 names. With --tools, each response is a conversation: the model's turns and its tools' results
 (multi_turn.py), trained on the model's own tokens only. Dropped: a critic (GRPO needs none), KL in
 the reward (we use the KL loss, as verl's GRPO examples do), and sequence packing.
@@ -17,15 +17,12 @@ the reward (we use the KL loss, as verl's GRPO examples do), and sequence packin
 import dataclasses
 import math
 import os
-import random
 import sys
 import textwrap
 import time
 from functools import partial
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import data_prep
@@ -34,12 +31,14 @@ import lora
 import report
 import reward_model
 import rng
+import rollout_rank
 import rollout_ranks
+import rollout_source
 import run_dir
 import safe_write
-import stream_rollouts
+import startup
 from advantage import compute_advantages
-from async_rollout import RolloutsAhead, staleness_metrics
+from async_rollout import staleness_metrics
 from config import loggers, parse_args
 from distributed import (
     all_sum,
@@ -52,13 +51,11 @@ from distributed import (
     run,
     stop_requested,
 )
-from eval import keep_best, run_validation, validate_step
+from eval import keep_best
 from loss import agg_denominator, loss_agg_for, micro_batch_loss
 from memory import check_update_memory
 from models import check_model_path
-from multi_turn import start_tools
 from policy import (
-    compute_dtype,
     compute_logprobs,
     diverged_message,
     load_policy,
@@ -71,10 +68,9 @@ from policy import (
     update_may_overflow,
     window,
 )
-from reward import compute_score, load_reward_fns, reward_specs, reward_weights
-from rollout import collect_rollout, start_engine, stop_token_ids
+from rollout import start_engine
 from run_log import RunLog, sample_records, should_stop, step_metrics, timed
-from weight_sync import check_rollout, probe_ids, sync_and_check
+from weight_sync import check_rollout
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
@@ -107,6 +103,29 @@ def check_inputs(args):
         lora.check_targets(args.model, args.lora_target_modules)
     if args.reward_model:  # its directory is checked like the policy's, before anything loads
         reward_model.check_reward_model(args.reward_model)
+
+
+def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
+    """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the reward
+    model, the engine put to sleep, the update's memory check, AdamW and the learning-rate schedule.
+    Returns (policy, reference, reward model, optimizer, scheduler, LoRA's args, the base's fingerprint)."""
+    lora_args = (
+        (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
+    )
+    how = dict(grad_checkpointing=args.grad_checkpointing, reference=args.kl_coef > 0, lora_args=lora_args)
+    policy, reference = load_policy(args.model, mesh, device, dtype, offload=args.offload in ("params", "both"), **how)
+    rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
+    fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
+    if engine:
+        engine.sleep()
+    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
+    check_update_memory(
+        args, policy, trained, world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib
+    )
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
+    return policy, reference, rm, optimizer, scheduler, lora_args, fingerprint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,150 +183,129 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
 # ----------------------------------------------------------------------------------------------
 
 
+def training_batch(ro, samples, args, pad_id, device):
+    """The step's batch for the update (policy.make_batch), with each token's advantage (group-normalised;
+    each prompt's group lives on one rank, REINFORCE++ whitens over all ranks' tokens) and engine log-prob.
+    Returns (batch, advantages: [N], or [N, R] for REINFORCE++, the model's tokens [N, R] truncated or not)."""
+    group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
+    batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
+    mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
+    advantages = compute_advantages(
+        ro.scores,
+        args.group_size,
+        estimator=args.adv_estimator,
+        norm_by_std=args.norm_adv_by_std,
+        response_mask=mask,
+        total=partial(all_sum_tensor, device=device),
+    )
+    batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
+    if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
+        batch["response_mask"] = mask * ~torch.tensor(ro.truncated)[:, None]
+    batch["engine_logp"] = torch.zeros_like(mask)  # [N, R]
+    for i, lp in enumerate(ro.logprobs):
+        batch["engine_logp"][i, : len(lp)] = torch.tensor(lp)
+    return batch, advantages, mask
+
+
+def stopped_early(asked, done, saved, *, total_steps, args, checkpointer, save, log, rank):
+    """SIGTERM or SIGINT stopped the run after step `done`: keep what was done and say how to go on."""
+    if checkpointer and done > saved:
+        save(done)
+    if checkpointer:
+        checkpointer.wait()
+        where = f"{checkpoint.step_dir(args.out_dir, done)} holds it" if done else "nothing to save yet"
+        message = (
+            f"stopped by {asked.name} after step {done} of {total_steps} ({where}): rerun the same command to continue"
+        )
+    else:
+        message = f"stopped by {asked.name} after step {done} of {total_steps}; --save-freq -1 wrote no checkpoint, so a rerun starts over"
+    log.close()
+    if rank == 0 and done > 0:
+        report.write_report(args.out_dir)
+    return message
+
+
+def save_final(args, policy, tokenizer, *, done, dtype, lora_args, rank):
+    """The policy (never the reference) in Hugging Face format, then the end-of-run health report."""
+    if args.save_model:
+        if lora_args:  # first: a final_model of this step says that both are complete
+            lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
+            print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
+        save_hf(
+            policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done, dtype=dtype
+        )  # LoRA: merged
+        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
+    if rank == 0:  # last, so nothing is lost if it fails: the health report, from the run directory alone
+        path, verdicts = report.write_report(args.out_dir)
+        counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
+        print0(f"health report: {path}: {verdicts['overall']} ({counts})")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
 def main():
     args = parse_args()
-    if not args.verbose:  # transformers' loading and saving bars would break ours
-        from transformers.utils.logging import disable_progress_bar
-
-        disable_progress_bar()
-    placement = None  # --rollout-ranks K: the last K ranks only generate (rollout_ranks.py)
+    startup.quiet(args)
+    placement = None  # --rollout-ranks K: the last K ranks only generate (rollout_rank.py)
     if args.rollout_ranks:
         placement, rank, world, device = rollout_ranks.init(args.rollout_ranks, args.collective_timeout)
+        if placement.generates:
+            return rollout_rank.run(args, placement, rank, world, device)
     else:
         rank, world, device = init_distributed(args.collective_timeout)
-    generates = placement is not None and placement.generates  # a rollout rank: no policy, no run directory
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world,))
-    run_dir.die_with_launcher()  # under torchrun: no orphan worker left writing into the run directory
-    dtype, why = compute_dtype(args.dtype, device)  # resolved before the resume check: auto resumes a bf16 run
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # what the config, checkpoints and export record
-    if generates:  # the trainers' flags, as they resolved them (the demo's paths)
-        args = placement.bridge.recv(0, rollout_ranks.START, "the run's flags")
-    else:
-        resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
-        data_prep.demo_inputs(args, rank)  # the demo makes its own model and data
-        check_inputs(args)
-    if placement and rank == 0 and not generates:
-        for r in range(1, args.rollout_ranks + 1):
-            placement.bridge.send(args, r, rollout_ranks.START)
+    ranks_here = startup.ranks_here()
+    mesh, dtype, why = startup.start(args, world, device)
+    resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
+    data_prep.demo_inputs(args, rank)  # the demo makes its own model and data
+    check_inputs(args)
+    if placement:  # the flags as resolved here (the demo's paths, the dtype) to the rollout ranks
+        rollout_ranks.send_flags(placement, args)
     config = dataclasses.asdict(args)
     print0(f"compute dtype: {args.dtype} ({why})")
     print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
-    except OSError as e:
-        raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = set(stop_token_ids(args.model))
-    tools = None  # --tools: multi-turn rollouts, the tools in a worker process (multi_turn.py)
-    if args.tools:
-        limits = dict(max_turns=args.max_turns, timeout=args.tool_timeout, max_chars=args.max_tool_response_length)
-        try:
-            tools = start_tools(args.tools, tokenizer, eos_ids, **limits)
-        except RuntimeError as e:  # the file does not load, or a function has no type hints or docstring
-            raise SystemExit(str(e)) from None
-    train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
-    total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
-    total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
-    if not generates and resume_from:  # a finished run ends here, before the engine loads
+    tokenizer, pad_id, eos_ids, tools = startup.tokenizer_and_tools(args)
+    train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
+    if resume_from:  # a finished run ends here, before the engine loads
         with rollout_ranks.stopped_if_exiting(placement):
             run_dir.end_if_finished(resume_from, args, total_steps, rank)
-    specs, timeout = reward_specs(args), args.reward_timeout  # --reward-fn runs in a worker process (reward.py)
-    scores = placement is None or generates  # with --rollout-ranks, only they score
-    reward_fn = load_reward_fns(specs, reward_weights(args), timeout) if specs and scores else compute_score
+    reward_fn = startup.reward_fn(args, scores=placement is None)  # with --rollout-ranks, they score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine = None if placement and not generates else start_engine(args, world, ranks_here, device, dtype)
+    engine = None if placement else start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
-    what = type(engine).__name__ if engine else f"on the {args.rollout_ranks} rollout ranks"
-    print0(f"rollout engine: {what}" + (f", KV cache of {kv:,} tokens" if kv else ""))
+    print0(f"rollout engine: {type(engine).__name__ if engine else f'on the {args.rollout_ranks} rollout ranks'}"
+           + (f", KV cache of {kv:,} tokens" if kv else ""))  # fmt: skip
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
-    if generates:  # a rollout rank's whole run: generate, score, validate (rollout_ranks.py, stream_rollouts.py)
-        rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
-        scoring = dict(args=args, tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, device=device)
-        how = dict(val_rows=val_rows, tokenizer=tokenizer, reward_fn=reward_fn, eos_ids=eos_ids, args=args, tools=tools)
-        validate = partial(validate_step, engine=engine, rank=rank, world=world, **how)
-        if args.stream_rollouts:  # group by group, the engine never waiting for a step's end
-            serve = partial(stream_rollouts.serve, train_rows=train_rows, world=world, scoring=scoring)
-        else:  # a step's share at a time
-            collect = partial(collect_rollout, engine, train_rows, rank=rank, world=world, tools=tools, **scoring)
-            serve = partial(rollout_ranks.serve, collect=collect)
-        serve(placement, engine, args=args, total_steps=total_steps, validate=validate, rank=rank)
-        return close(engine, tools)
-    lora_args = (
-        (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
-    )
-    how = dict(grad_checkpointing=args.grad_checkpointing, reference=args.kl_coef > 0, lora_args=lora_args)
-    policy, reference = load_policy(args.model, mesh, device, dtype, offload=args.offload in ("params", "both"), **how)
-    rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
-    reward = (reward_fn, rm)  # what score_samples needs
-    base_fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
-    if engine:
-        engine.sleep()
-    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
-    check_update_memory(
-        args, policy, trained, world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib
-    )
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
+    how = dict(world=world, ranks_here=ranks_here, total_steps=total_steps)
+    policy, reference, rm, optimizer, scheduler, lora_args, fingerprint = load_trainer(args, mesh, device, dtype, engine, **how)  # fmt: skip
+    # where each step's rollout comes from: this rank's engine, or the rollout ranks (rollout_source.py)
+    source = rollout_source.make(placement, engine, dtype, args=args, train_rows=train_rows, val_rows=val_rows,
+                                 tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, tools=tools,
+                                 pad_id=pad_id, rank=rank, world=world, device=device, total_steps=total_steps)  # fmt: skip
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps, config)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
-    checkpointer, ahead = None, RolloutsAhead(args.max_staleness, total_steps)  # --max-staleness: made in advance
-    if args.save_freq > 0:
-        checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save)
-    # save(step): everything needed to continue this run exactly from after `step`
-    save = partial(checkpoint.save_run, checkpointer, args=args, train_rows=train_rows, policy=policy, config=config)
-    save = partial(save, optimizer=optimizer, scheduler=scheduler, log=log, tokenizer=tokenizer, ahead=ahead)
-    save = partial(save, fingerprint=base_fingerprint)
-    # the new weights into the engine, then a check that it serves them (weight_sync.py); or to the rollout ranks
-    sync = partial(sync_and_check, engine, policy, dtype, probe=probe_ids(train_rows), pad_id=pad_id, device=device)
-    sync = partial(sync, dtype_name=args.dtype)
-    remote = None
-    if placement:
-        remote = rollout_ranks.Trainers(placement, rank=rank, world=world, args=args, train_rows=train_rows)
-        remote.probe = dict(ids=probe_ids(train_rows), pad_id=pad_id, device=device)
-        sync = partial(remote.send_weights, policy, dtype)
+    checkpointer = (
+        checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
+    )
+    save = partial(checkpoint.save_run, checkpointer,  # save(step): all a run needs to go on exactly after `step`
+                   args=args, train_rows=train_rows, policy=policy, config=config, optimizer=optimizer,
+                   scheduler=scheduler, log=log, tokenizer=tokenizer, ahead=source, fingerprint=fingerprint)  # fmt: skip
     start_step, history = 0, []
     if resume_from:
         start_step, history, saved_rollouts = checkpoint.resume_run(
-            resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=base_fingerprint
+            resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=fingerprint
         )
-        ahead.load(saved_rollouts, train_rows, rank=rank, world=world, group_size=args.group_size)
-    if remote:  # the rollout ranks start from the step after the rollouts held, with this step's weights
-        remote.start(start_step, first=max(ahead.ready, default=start_step) + 1)
+        source.load(saved_rollouts)
+    source.start(start_step)
     if resume_from:
-        sync(version=start_step)
+        source.publish(policy, version=start_step)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
-    validation = (
-        partial(remote.validation, log=log)
-        if remote
-        else partial(  # validation(step) -> metrics
-            run_validation,
-            engine=engine,
-            val_rows=val_rows,
-            tokenizer=tokenizer,
-            reward_fn=reward_fn,
-            eos_ids=eos_ids,
-            args=args,
-            rank=rank,
-            world=world,
-            log=log,
-            tools=tools,
-        )
-    )
     if args.val_before_train and args.test_freq > 0 and start_step == 0:
-        log.log(0, validation(0))
+        log.log(0, source.validation(0, log))
         keep_best(log.history, args, policy, tokenizer, rank)
 
     # ---------------- the loop
@@ -323,13 +321,7 @@ def main():
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
         # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
-        if remote:  # made by the rollout ranks: wait for it
-            with timed(timing, "wait_rollout"):
-                ro = ahead.take(step, remote.rollout, remote=True)
-        else:
-            collect = partial(collect_rollout, engine, train_rows, args=args, rank=rank, world=world)
-            collect = partial(collect, tokenizer=tokenizer, reward=reward, eos_ids=eos_ids, timing=timing)
-            ro = ahead.take(step, partial(collect, device=device, tools=tools))
+        ro = source.take(step, timing)
         staleness = staleness_metrics(ro.versions, step, args.max_staleness)  # raises if any sample is too old
         checkpoint.crash_point("rollout", step)
         asked = stop_requested(device)
@@ -338,24 +330,8 @@ def main():
             break
         samples = [r for r in ro.rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
-        # ---- advantages: each prompt's group lives on one rank (REINFORCE++ whitens over all ranks' tokens)
-        group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
-        batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
-        mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
-        advantages = compute_advantages(  # [N], or [N, R] for REINFORCE++
-            ro.scores,
-            args.group_size,
-            estimator=args.adv_estimator,
-            norm_by_std=args.norm_adv_by_std,
-            response_mask=mask,
-            total=partial(all_sum_tensor, device=device),
-        )
-        batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
-        if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
-            batch["response_mask"] = mask * ~torch.tensor(ro.truncated)[:, None]
-        batch["engine_logp"] = torch.zeros_like(mask)  # [N, R]
-        for i, lp in enumerate(ro.logprobs):
-            batch["engine_logp"][i, : len(lp)] = torch.tensor(lp)
+        # ---- advantages, and the batch the update takes
+        batch, advantages, mask = training_batch(ro, samples, args, pad_id, device)
 
         # ---- old and reference log-probs (on-policy, the old ones are the current ones: not recomputed)
         how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
@@ -376,36 +352,23 @@ def main():
         # the engine drew the samples from the policy: its log-probs are the trainer's (weight_sync.py)
         check_rollout(trainer_logp, batch["engine_logp"], mask, ro.versions, step=step, args=args, device=device)
 
-        # ---- copy the new weights into the engine
+        # ---- the new weights to whoever generates
         with timed(timing, "update_weights"):
-            sync_gap = sync(version=step)
+            source.publish(policy, version=step)
         timing["step"] = time.perf_counter() - t_step
 
         # ---- metrics, verl's names, reduced over ranks
         adv_values = advantages[mask.bool()] if advantages.dim() == 2 else advantages  # per token, or per sample
-        metrics = step_metrics(
-            ro,
-            stats=stats,
-            adv_values=adv_values,
-            mask=mask,
-            trainer_logp=trainer_logp,
-            engine_logp=batch["engine_logp"],
-            lr=lr,
-            skipped=skipped,
-            timing=timing,
-            args=args,
-            device=device,
-        )
+        how = dict(stats=stats, adv_values=adv_values, mask=mask, trainer_logp=trainer_logp, lr=lr, skipped=skipped)
+        metrics = step_metrics(ro, engine_logp=batch["engine_logp"], timing=timing, args=args, device=device, **how)
         metrics["training/epoch"] = epoch
         metrics.update(ro.remote_metrics)  # the rollout ranks' times, overlapped with this step's
-        if args.max_staleness or remote:
-            gap = ro.weight_sync_gap if remote else sync_gap  # None: a rollout from the checkpoint
-            metrics.update(staleness, **({"rollout/weight_sync_gap": gap} if gap is not None else {}))
+        metrics.update(source.metrics(ro, staleness))
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
             with timed(timing, "testing"):
-                metrics.update(validation(step))
+                metrics.update(source.validation(step, log))
             metrics["timing_s/testing"] = timing["testing"]
         histograms = {"critic/score": ro.scores, "critic/advantages": adv_values.tolist()}
         log.log(step, metrics, histograms | {"response_length": mask.sum(-1).tolist()})
@@ -430,55 +393,18 @@ def main():
             patience = f"{args.early_stop_patience} validations"
             log.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {patience}")
             break
-    if (
-        asked and done < total_steps and not stop
-    ):  # SIGTERM or SIGINT: keep what was done, say how to go on, exit non-zero
-        if checkpointer and done > saved:
-            save(done)
-        if checkpointer:
-            checkpointer.wait()
-            where = f"{checkpoint.step_dir(args.out_dir, done)} holds it" if done else "nothing to save yet"
-            message = f"stopped by {asked.name} after step {done} of {total_steps} ({where}): rerun the same command to continue"
-        else:
-            message = f"stopped by {asked.name} after step {done} of {total_steps}; --save-freq -1 wrote no checkpoint, so a rerun starts over"
-        log.close()
-        if rank == 0 and done > 0:
-            report.write_report(args.out_dir)
-        close(engine, tools, remote, done < total_steps)
+    if asked and done < total_steps and not stop:  # SIGTERM or SIGINT: keep what was done, exit non-zero
+        how = dict(total_steps=total_steps, args=args, checkpointer=checkpointer, save=save, log=log, rank=rank)
+        message = stopped_early(asked, done, saved, **how)
+        startup.close(engine, tools, source, early=True)
         record_root_cause(message)
         print0(message)
         sys.exit(128 + asked)  # the shell's convention for "ended by this signal": 143 for SIGTERM
     if checkpointer:
         checkpointer.wait()  # a background save must finish before we exit
-
-    # ---------------- save the policy (never the reference) in Hugging Face format; the health report
     log.close()
-    if args.save_model:
-        if lora_args:  # first: a final_model of this step says that both are complete
-            lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
-            print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
-        save_hf(
-            policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done, dtype=dtype
-        )  # with LoRA: merged
-        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
-    if rank == 0:  # last, so nothing is lost if it fails: the end-of-run health report, from the run directory alone
-        path, verdicts = report.write_report(args.out_dir)
-        counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
-        print0(f"health report: {path}: {verdicts['overall']} ({counts})")
-    close(engine, tools, remote, done < total_steps)
-
-
-def close(engine, tools, remote=None, early=False):
-    """Free the engine (before destroy_process_group, or vLLM's shutdown fails) and the tool worker;
-    tell the rollout ranks the run ended `early`, or wait until they took the last weights."""
-    if engine:
-        engine.close()
-    if tools:
-        tools.close()
-    if remote:
-        remote.close(early)
-    if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
-        dist.destroy_process_group()
+    save_final(args, policy, tokenizer, done=done, dtype=dtype, lora_args=lora_args, rank=rank)
+    startup.close(engine, tools, source, early=done < total_steps)
 
 
 MAX_SKIPPED_STEPS = 3  # steps in a row whose every update was skipped: the run has diverged; stop

@@ -11,8 +11,8 @@ import os
 import torch
 
 from distributed import expandable_segments
+from engine import Rollout, per_prompt, sample_seeds
 from models import check_model_path
-from rollout import Rollout, per_prompt, sample_seeds
 
 
 def with_tied_lm_head(named_tensors):

@@ -26,7 +26,7 @@ def jsonl_examples(jsonl_path, fields):
 
 
 def write_parquet(rows, path):
-    # imported here, not at the top: math_score's worker process loads tasks/math.py and writes nothing
+    # imported here, not at the top: the scorers load the task files (reward.py) and write nothing
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -179,10 +179,11 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
     from transformers import AutoTokenizer
 
     import data_prep
+    from engine import Rollout
     from eval import validate
     from models import build_tiny_model
     from reward import compute_score
-    from rollout import VALIDATION_STEP, Rollout, sampling_seeds
+    from rollout import VALIDATION_STEP, sampling_seeds
     from tasks.digits import TASK_WORDS, write_digits
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))

@@ -233,13 +233,13 @@ def test_an_unknown_or_missing_model_type_is_refused(model_copy):
 
 LOADERS = """
 import sys
-import hf_engine, rollout, policy, reward_model, torch
+import engine, hf_engine, policy, reward_model, torch
 path = sys.argv[1]
 hf_engine.check_model_path = lambda p: None  # as if the check were missed: each loader must still refuse
 reward_model.check_reward_model = lambda p: None
 for name, load in [
     ("policy.load_model", lambda: policy.load_model(path, torch.float32, "cpu")),
-    ("rollout.stop_token_ids", lambda: rollout.stop_token_ids(path)),
+    ("engine.stop_token_ids", lambda: engine.stop_token_ids(path)),
     ("hf_engine.HFEngine", lambda: hf_engine.HFEngine(path, max_model_len=32)),
     ("reward_model.load_reward_model", lambda: reward_model.load_reward_model(path, None, torch.device("cpu"))),
 ]:
@@ -273,7 +273,7 @@ def test_no_loader_runs_the_model_directorys_code_even_when_the_console_says_yes
     assert not marker.exists(), proc.stdout
     for name in ("policy.load_model", "hf_engine.HFEngine", "reward_model.load_reward_model"):  # their model classes
         assert f"{name} refused:" in proc.stdout, proc.stdout
-    assert "rollout.stop_token_ids loaded" in proc.stdout  # the tokenizer is a built-in one: no code needed
+    assert "engine.stop_token_ids loaded" in proc.stdout  # the tokenizer is a built-in one: no code needed
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
 
 

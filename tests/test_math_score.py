@@ -14,7 +14,8 @@ import time
 import pytest
 
 from reward import BUILTIN_SOURCES, compute_score
-from tasks.math import MATH_SOURCES, last_boxed, math_score, math_verify_score
+from tasks.math import MATH_SOURCES, math_score
+from tasks.math_verify_worker import last_boxed, math_verify_score
 
 # (response, ground truth, expected score, naive_wrong)
 CASES = [

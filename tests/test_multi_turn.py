@@ -11,7 +11,7 @@ from conftest import QWEN_DIR, REPO, need
 
 import multi_turn
 import tools
-from rollout import Rollout, sample_seeds
+from engine import Rollout, sample_seeds
 
 CALC = os.path.join(REPO, "examples", "tools", "calculator.py")
 IM_END = "<|im_end|>"
@@ -67,7 +67,7 @@ def qwen():
 
 
 def setup_for(tokenizer, spec=CALC, max_turns=4, timeout=5.0, max_chars=200):
-    from rollout import stop_token_ids
+    from engine import stop_token_ids
 
     eos = stop_token_ids(tokenizer.name_or_path)
     return multi_turn.start_tools(spec, tokenizer, eos, max_turns=max_turns, timeout=timeout, max_chars=max_chars)

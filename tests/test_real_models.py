@@ -16,9 +16,9 @@ from conftest import gsm8k_flags, metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_prep
+from engine import stop_token_ids
 from hf_engine import HFEngine
 from logprobs import logprobs_from_logits
-from rollout import stop_token_ids
 from vllm_engine import VLLMEngine
 
 IM_END, ENDOFTEXT = 151645, 151643  # Qwen2.5's end of turn, and its end of text (both EOS in its generation config)

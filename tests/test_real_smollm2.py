@@ -12,8 +12,8 @@ import torch
 from conftest import REPO, gsm8k_flags, metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from engine import stop_token_ids
 from policy import compute_dtype
-from rollout import stop_token_ids
 
 
 def test_smollm2_is_a_plain_hugging_face_model(smollm2_model):

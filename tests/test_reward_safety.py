@@ -524,9 +524,9 @@ def test_validate_with_errors_skip_counts_them_and_raise_names_validation(tmp_pa
     from transformers import AutoTokenizer
 
     import data_prep
+    from engine import Rollout
     from eval import validate
     from models import build_tiny_model
-    from rollout import Rollout
     from tasks.digits import TASK_WORDS, write_digits
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))

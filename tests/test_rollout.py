@@ -14,10 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine import Rollout
 from hf_engine import HFEngine, filter_logits
 from logprobs import logprobs_from_logits
 from models import build_tiny_model
-from rollout import Rollout, make_engine
+from rollout import make_engine
 from vllm_engine import RELOAD_LOGGER, VLLMEngine, cpu_kv_cache_bytes, kv_bytes_per_token
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]
@@ -382,7 +383,7 @@ class RecordingEngine:
         self.requests = []
 
     def generate(self, prompts, *, n, seeds, **sampling):
-        from rollout import Rollout
+        from engine import Rollout
 
         self.requests.append(([list(p) for p in prompts], list(seeds)))
         ids = [[s * n + j, p[0]] for p, s in zip(prompts, seeds) for j in range(n)]

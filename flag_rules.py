@@ -1,0 +1,67 @@
+"""The constraints between flags that belong to one feature, for config.check_args: where rollouts are
+made (--rollout-ranks, --max-staleness, --stream-rollouts, --tensor-parallel-size) and how long a
+worker's call may take (--reward-timeout, --tool-timeout). They live here, below config.py, not in
+rollout_ranks.py and reward_worker.py: the flags import no feature module."""
+
+
+def placement_rules(a, world):
+    """config.check_args' rules for --max-staleness, --rollout-ranks and --tensor-parallel-size, with
+    `world` ranks in all."""
+    tp = a.tensor_parallel_size
+    return [
+        (
+            a.max_staleness + a.rollout_ranks == 0 or a.engine_logprobs,
+            "--max-staleness and --rollout-ranks need the engine's log-probs: drop --no-engine-logprobs",
+        ),
+        (a.rollout_ranks < world, f"--rollout-ranks {a.rollout_ranks} leaves no trainer rank (WORLD_SIZE={world})"),
+        (
+            a.rollout_ranks == 0 or a.tensor_parallel_size == 1,
+            "--rollout-ranks: each rollout rank runs a whole engine; use --tensor-parallel-size 1",
+        ),
+        (
+            a.rollout_ranks == 0 or a.prompt_batch_size % a.rollout_ranks == 0,
+            f"--prompt-batch-size ({a.prompt_batch_size}) must be a multiple of --rollout-ranks ({a.rollout_ranks})",
+        ),
+        (
+            not a.stream_rollouts or a.rollout_ranks and a.max_staleness,
+            "--stream-rollouts needs --rollout-ranks K >= 1 and --max-staleness S >= 1",
+        ),
+        (not a.stream_rollouts or a.rollout != "hf", "--stream-rollouts needs the vLLM engine: drop --rollout hf"),
+        # --tensor-parallel-size T: T consecutive ranks run one vLLM engine on the same requests (rollout.collect_rollout)
+        (world % max(tp, 1) == 0, f"--tensor-parallel-size {tp} must divide the number of ranks (WORLD_SIZE={world})"),
+        (tp == 1 or a.rollout != "hf", "--tensor-parallel-size > 1 is vLLM's: drop --rollout hf, or use 1"),
+        (
+            tp == 1 or a.engine_logprobs,
+            "--tensor-parallel-size > 1 needs the engine's log-probs (each step checks them against the policy's): "
+            "drop --no-engine-logprobs",
+        ),
+        (
+            tp == 1 or not a.tools,
+            "--tensor-parallel-size > 1 with --tools: a group's ranks must send the same requests, and a tool's result "
+            "(a timeout) may differ between them; use --tensor-parallel-size 1",
+        ),
+        (
+            not a.stream_rollouts or not (a.tools or a.filter_groups),
+            "--stream-rollouts streams single-turn groups one by one: drop --tools and --filter-groups",
+        ),
+    ]
+
+
+def timeout_rules(args):
+    """config.check_args' rules for --reward-timeout and --tool-timeout: each below --collective-timeout.
+    While one rank waits on a call, the others wait for that rank in a collective: if they may give up first,
+    they stop the run over a call that was still allowed to finish. Equal is refused too: their clock may
+    have started before the call did. (A batch of slow calls may still outlast it: reward_worker.waits() then
+    says so.)"""
+    limit = args.collective_timeout
+    return [
+        (
+            not used or timeout < limit,
+            f"{flag} ({timeout:g}) must be less than --collective-timeout ({limit:g}): while one {what} call runs, "
+            f"the other ranks wait for this one and give up first; lower {flag} or raise --collective-timeout",
+        )
+        for flag, timeout, used, what in (
+            ("--reward-timeout", args.reward_timeout, args.reward_fn, "--reward-fn"),
+            ("--tool-timeout", args.tool_timeout, args.tools, "--tools"),
+        )
+    ]

@@ -1,0 +1,185 @@
+"""Where a trainer's step rollout comes from, behind one interface, so the trainer's loop never asks which
+placement it runs. A source has:
+    take(step, timing) -> this rank's StepRollout of step `step`
+    publish(policy, version)  the weights after `version` updates to whoever generates, checked there
+    validation(step, log) -> the validation metrics of the policy after `step` updates
+    metrics(ro, staleness) -> the step's staleness and weight-sync metrics
+    start(step), state(done), load(saved)  where it starts; what a checkpoint holds of it (the rollouts made ahead)
+    close(early)
+Colocated: this rank's own engine (rollout.collect_rollout), with --max-staleness S the rollouts made up to
+S steps ahead by older weights (async_rollout.RolloutsAhead). RolloutRanks: --rollout-ranks K, the last K
+ranks generate (rollout_rank.py), in lock-step or, with --stream-rollouts, group by group; the trainers
+receive their share and send weights. A new placement is a class with these methods, chosen in make."""
+
+from functools import partial
+
+from async_rollout import RolloutsAhead
+from eval import run_validation
+from rollout import collect_rollout
+from rollout_ranks import Trainers
+from run_log import timed
+from weight_sync import probe_ids, sync_and_check
+
+
+def make(
+    placement,
+    engine,
+    policy_dtype,
+    *,
+    args,
+    train_rows,
+    val_rows,
+    tokenizer,
+    reward,
+    eos_ids,
+    tools,
+    pad_id,
+    rank,
+    world,
+    device,
+    total_steps,
+):
+    """The source for this run's placement."""
+    ahead = RolloutsAhead(args.max_staleness, total_steps)
+    if placement:
+        return RolloutRanks(
+            placement,
+            ahead,
+            policy_dtype,
+            args=args,
+            train_rows=train_rows,
+            pad_id=pad_id,
+            rank=rank,
+            world=world,
+            device=device,
+        )
+    return Colocated(
+        engine,
+        ahead,
+        policy_dtype,
+        args=args,
+        train_rows=train_rows,
+        val_rows=val_rows,
+        tokenizer=tokenizer,
+        reward=reward,
+        eos_ids=eos_ids,
+        tools=tools,
+        pad_id=pad_id,
+        rank=rank,
+        world=world,
+        device=device,
+    )
+
+
+class Colocated:
+    """This rank's engine generates and scores this rank's prompts, waking between updates."""
+
+    def __init__(
+        self,
+        engine,
+        ahead,
+        dtype,
+        *,
+        args,
+        train_rows,
+        val_rows,
+        tokenizer,
+        reward,
+        eos_ids,
+        tools,
+        pad_id,
+        rank,
+        world,
+        device,
+    ):
+        self.engine, self.ahead, self.dtype, self.args, self.train_rows = engine, ahead, dtype, args, train_rows
+        self.inputs = dict(tokenizer=tokenizer, eos_ids=eos_ids, tools=tools)
+        self.val_rows, self.reward, self.rank, self.world, self.device = val_rows, reward, rank, world, device
+        self.probe = dict(probe=probe_ids(train_rows), pad_id=pad_id, device=device)
+        self.gap = None  # the last weight sync's probe gap (weight_sync.py)
+
+    def take(self, step, timing):
+        """Step `step`'s rollout, generating it (and with S >= 1 those up to step + S) if not held yet."""
+        how = dict(args=self.args, rank=self.rank, world=self.world, reward=self.reward, device=self.device)
+        return self.ahead.take(
+            step, partial(collect_rollout, self.engine, self.train_rows, timing=timing, **how, **self.inputs)
+        )
+
+    def publish(self, policy, version):
+        """The new weights into the engine, then a check that it serves them (weight_sync.py)."""
+        self.gap = sync_and_check(
+            self.engine, policy, self.dtype, version=version, dtype_name=self.args.dtype, **self.probe
+        )
+
+    def validation(self, step, log):
+        return run_validation(
+            step,
+            engine=self.engine,
+            val_rows=self.val_rows,
+            reward_fn=self.reward[0],
+            args=self.args,
+            rank=self.rank,
+            world=self.world,
+            log=log,
+            **self.inputs,
+        )
+
+    def metrics(self, ro, staleness):
+        if not self.args.max_staleness:
+            return {}
+        return staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
+
+    def start(self, step):
+        pass  # the engine is this rank's: nothing to tell
+
+    def state(self, done):
+        return self.ahead.state(done)
+
+    def load(self, saved):
+        self.ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
+
+    def close(self, early):
+        pass  # the engine is closed with the run (startup.close)
+
+
+class RolloutRanks:
+    """The rollout ranks generate and score; the trainers receive each step's rollout and send the weights
+    (rollout_ranks.Trainers: collectives among the trainers; trainer rank 0 talks to the rollout ranks)."""
+
+    def __init__(self, placement, ahead, dtype, *, args, train_rows, pad_id, rank, world, device):
+        self.ahead, self.dtype, self.args, self.train_rows, self.rank, self.world = (
+            ahead,
+            dtype,
+            args,
+            train_rows,
+            rank,
+            world,
+        )
+        self.remote = Trainers(placement, rank=rank, world=world, args=args, train_rows=train_rows)
+        self.remote.probe = dict(ids=probe_ids(train_rows), pad_id=pad_id, device=device)
+
+    def take(self, step, timing):
+        with timed(timing, "wait_rollout"):
+            return self.ahead.receive_step(step, self.remote.rollout)
+
+    def publish(self, policy, version):
+        self.remote.send_weights(policy, self.dtype, version)
+
+    def validation(self, step, log):
+        return self.remote.validation(step, log=log)
+
+    def metrics(self, ro, staleness):  # the gap is the rollout ranks' check of the weights that made `ro`
+        return staleness | ({"rollout/weight_sync_gap": ro.weight_sync_gap} if ro.weight_sync_gap is not None else {})
+
+    def start(self, step):
+        """The rollout ranks start from the step after the rollouts held, with step `step`'s weights."""
+        self.remote.start(step, first=max(self.ahead.ready, default=step) + 1)
+
+    def state(self, done):
+        return self.ahead.state(done)
+
+    def load(self, saved):
+        self.ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
+
+    def close(self, early):
+        self.remote.close(early)

@@ -1,0 +1,96 @@
+"""What every rank sets up before it trains or generates, a trainer and a rollout rank alike: the seeds, the
+device mesh and compute dtype, the tokenizer and the tokens that end a response, the tools, the data and the
+reward functions; and, at the end, closing what it started. train_grpo.py and rollout_rank.py call these in
+the same order, so both sides of a run read the same inputs the same way."""
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import data_prep
+import run_dir
+from engine import stop_token_ids
+from multi_turn import start_tools
+from policy import compute_dtype
+from reward import compute_score, load_reward_fns, reward_specs, reward_weights
+
+
+def quiet(args):
+    """No transformers progress bars (loading, saving) unless --verbose: they would break our log's lines."""
+    if not args.verbose:
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+
+
+def start(args, world, device):
+    """Seeds, the device mesh of `world` ranks, no orphan worker after the launcher dies, and the compute
+    dtype (args.dtype resolved to bf16 or fp32, what the config, checkpoints and export record). Returns
+    (mesh, dtype, why that dtype)."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    run_dir.die_with_launcher()  # under torchrun: no orphan worker left writing into the run directory
+    dtype, why = compute_dtype(args.dtype, device)  # resolved before the resume check: auto resumes a bf16 run
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return mesh, dtype, why
+
+
+def ranks_here():
+    """Ranks on this machine; read before the engine starts: vLLM's CPU platform overwrites it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def tokenizer_and_tools(args):
+    """(tokenizer, pad id, the token ids that end a response, the tools or None): --tools runs multi-turn
+    rollouts, the tools in a worker process (multi_turn.py)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
+    except OSError as e:
+        raise SystemExit(f"--model {args.model}: cannot load a tokenizer from it ({e})") from e
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = set(stop_token_ids(args.model))
+    tools = None
+    if args.tools:
+        limits = dict(max_turns=args.max_turns, timeout=args.tool_timeout, max_chars=args.max_tool_response_length)
+        try:
+            tools = start_tools(args.tools, tokenizer, eos_ids, **limits)
+        except RuntimeError as e:  # the file does not load, or a function has no type hints or docstring
+            raise SystemExit(str(e)) from None
+    return tokenizer, pad_id, eos_ids, tools
+
+
+def read_data(args, tokenizer, tools):
+    """(train rows, validation rows, the run's steps: --epochs over the data, at most --max-steps)."""
+    train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
+    total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
+    total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
+    return train_rows, val_rows, total_steps
+
+
+def reward_fn(args, scores=True):
+    """The reward: --reward-fn's functions in a worker process (reward.py), else the built-in compute_score;
+    scores=False (a trainer beside rollout ranks, which score): no worker is started."""
+    specs = reward_specs(args)
+    return load_reward_fns(specs, reward_weights(args), args.reward_timeout) if specs and scores else compute_score
+
+
+def close(engine, tools, source=None, early=False):
+    """Free the engine (before destroy_process_group, or vLLM's shutdown fails) and the tool worker; the
+    rollout source (rollout_source.py) says the run ended `early`, or waits until its last weights are taken."""
+    if engine:
+        engine.close()
+    if tools:
+        tools.close()
+    if source:
+        source.close(early)
+    if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
+        dist.destroy_process_group()
