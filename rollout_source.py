@@ -21,54 +21,14 @@ from run_log import timed
 from weight_sync import probe_ids, sync_and_check
 
 
-def make(
-    placement,
-    engine,
-    policy_dtype,
-    *,
-    args,
-    train_rows,
-    val_rows,
-    tokenizer,
-    reward,
-    eos_ids,
-    tools,
-    pad_id,
-    rank,
-    world,
-    device,
-    total_steps,
-):
-    """The source for this run's placement."""
+def make(placement, engine, policy_dtype, *, total_steps, **inputs):
+    """The source for this run's placement; inputs: Colocated's keywords (RolloutRanks takes a few of them)."""
+    args = inputs["args"]
     ahead = RolloutsAhead(args.max_staleness, total_steps)
     if placement:
-        return RolloutRanks(
-            placement,
-            ahead,
-            policy_dtype,
-            args=args,
-            train_rows=train_rows,
-            pad_id=pad_id,
-            rank=rank,
-            world=world,
-            device=device,
-        )
-    return Colocated(
-        engine,
-        ahead,
-        policy_dtype,
-        args=args,
-        train_rows=train_rows,
-        val_rows=val_rows,
-        tokenizer=tokenizer,
-        reward=reward,
-        eos_ids=eos_ids,
-        tools=tools,
-        pad_id=pad_id,
-        rank=rank,
-        world=world,
-        device=device,
-    )
+        keep = ("args", "train_rows", "pad_id", "rank", "world", "device")
+        return RolloutRanks(placement, ahead, policy_dtype, **{k: inputs[k] for k in keep})
+    return Colocated(engine, ahead, policy_dtype, **inputs)
 
 
 class Colocated:
