@@ -17,11 +17,9 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-import health
-from advantage import ADV_ESTIMATORS
-from flag_rules import placement_rules, timeout_rules
-from loss import AGG_MODES, KL_KINDS, LOSS_MODES
-from reward import reward_rules
+from bands import parse_bands
+from flag_rules import placement_rules, reward_rules, timeout_rules
+from user_errors import record_root_cause
 
 
 def rule(default, must_be, ok, loss_mode=None):
@@ -31,8 +29,9 @@ def rule(default, must_be, ok, loss_mode=None):
 
 
 def one_of(default, choices):
-    """A field with a fixed set of values, exactly those the code consumes: --help lists them, argparse
-    refuses anything else, and so does check_args (for an Args built in code)."""
+    """A field with a fixed set of values, exactly those the code consumes (tests/test_config.py holds them
+    equal to loss.py's and advantage.py's): --help lists them, argparse refuses anything else, and so does
+    check_args (for an Args built in code)."""
     return dataclasses.field(default=default, metadata=dict(choices=choices))
 
 
@@ -143,14 +142,16 @@ class Args:
     """Clip ratio above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
     clip_c: float = rule(3.0, "> 1 for the dual clip to bound anything", lambda v: v > 1)
     """Dual-clip bound for negative advantages, > 1."""
-    loss_agg: str = one_of("token-mean", AGG_MODES)
+    loss_agg: str = one_of(
+        "token-mean", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    )
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (loss.agg_loss)."""
     loss_scale_factor: float = rule(0.0, "> 0, or 0 for --max-response-length", lambda v: v >= 0)
     """seq-mean-token-sum-norm (Dr. GRPO) divides the mean of the sequences' token sums by this constant
     (verl's loss_scale_factor); 0: --max-response-length."""
     kl_coef: float = rule(0.001, ">= 0 (0: no KL loss)", lambda v: v >= 0)
     """Weight of the KL loss to the frozen reference; 0 skips the reference model."""
-    kl_kind: str = one_of("k3", tuple(KL_KINDS))
+    kl_kind: str = one_of("k3", ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"))
     """KL estimator: k1, abs, k2, k3 (or verl's kl, mse, low_var_kl)."""
     entropy_coef: float = rule(0.0, ">= 0 (0: no bonus)", lambda v: v >= 0)
     """Weight of an entropy bonus (verl's entropy_coeff)."""
@@ -163,10 +164,10 @@ class Args:
     )
     """Truncated importance sampling: weight tokens by min(pi_trainer / pi_engine, cap), cap >= 1; 0: off."""
     # --- the GRPO family: what verl and TRL users switch between (README: "Recipes")
-    adv_estimator: str = one_of("grpo", ADV_ESTIMATORS)
+    adv_estimator: str = one_of("grpo", ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"))
     """Advantages (verl's algorithm.adv_estimator): grpo, rloo (leave-one-out baseline), reinforce_plus_plus_baseline
     (group baseline, whitened over the batch's tokens) or grpo_passk (pass@k: only a group's unique best learns)."""
-    loss_mode: str = one_of("vanilla", LOSS_MODES)
+    loss_mode: str = one_of("vanilla", ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov"))
     """Policy loss (loss.py states each): vanilla (PPO's clip per token), gspo (one ratio per sequence; e.g. --clip-low
     3e-4 --clip-high 4e-4), cispo, sapo (--tau-pos/--tau-neg), geo_mean (GMPO; the paper's --clip-low 0.4 --clip-high
     0.4), clip_cov, kl_cov (--clip-cov-*, --kl-cov-ratio, --ppo-kl-coef). gspo, sapo, geo_mean: seq-mean-token-mean."""
@@ -266,7 +267,7 @@ class Args:
     max_ckpt_to_keep: int = rule(-1, ">= 1, or -1 for all", lambda v: v == -1 or v >= 1)
     """Keep only the newest this many checkpoints (-1: all); older ones go once a newer one is complete."""
     health_bands: str = ""
-    """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (health.Bands)."""
+    """Override healthy bands of the live warnings and the end-of-run report, e.g. kl_max=0.05,target=0.9 (bands.Bands)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     collective_timeout: float = rule(600.0, "> 0 seconds", lambda v: v > 0)
@@ -402,7 +403,7 @@ def check_args(args, world=1, cuda=None):
         if "choices" in f.metadata and getattr(a, f.name) not in f.metadata["choices"]
     ]
     try:
-        health.parse_bands(a.health_bands)
+        parse_bands(a.health_bands)
     except ValueError as e:
         problems.append(f"--health-bands {e}")
     return problems
@@ -423,12 +424,10 @@ def loggers(args):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, whose errors are also torchrun's root cause (distributed.record_root_cause): the
+    """argparse, whose errors are also torchrun's root cause (user_errors.record_root_cause): the
     last line torchrun prints about a failed rank is then the error, not a pointer to its docs."""
 
     def error(self, message):
-        from distributed import record_root_cause
-
         record_root_cause(f"{self.prog}: error: {message}")
         super().error(message)
 

@@ -6,7 +6,6 @@ explicitly: nccl reduces CUDA tensors, gloo CPU ones.
 """
 
 import datetime
-import json
 import math
 import os
 import signal
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from reward_worker import waits
+from user_errors import record_root_cause
 
 # Large CPU tensors in 2 MiB huge pages: torch's allocator asks the kernel for them (madvise) when this
 # is set before its first CPU allocation, so at import. Every micro-batch allocates [vocab, hidden]
@@ -74,19 +74,6 @@ def is_peer_failure(error):
             "Watchdog",
         )
     )
-
-
-def record_root_cause(message):
-    """Under torchrun, make `message` what torchrun prints last as this rank's failure (its error
-    file, the one torch.distributed.elastic's @record writes for an exception). Without it a clear
-    one-line error is followed by torchrun's own 40-line traceback and a summary that says only
-    "exitcode: 1". The first failure recorded wins."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-    with open(path, "w") as f:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
 
 
 # ----------------------------------------------------------------------------------------------

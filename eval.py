@@ -237,8 +237,8 @@ def keep_best(history, args, policy, tokenizer, rank):
 
 def report(argv):
     """`python eval.py report RUN_DIR`: write the run's health report (report.py) and print it."""
-    import health
     import report
+    from bands import parse_bands
 
     parser = argparse.ArgumentParser(
         prog="eval.py report",
@@ -247,12 +247,10 @@ def report(argv):
         allow_abbrev=False,
     )
     parser.add_argument("run_dir", help="a train_grpo.py --out-dir (holds metrics.jsonl)")
-    parser.add_argument(
-        "--bands", default=None, help="name=value,... (health.Bands); default: the run's --health-bands"
-    )
+    parser.add_argument("--bands", default=None, help="name=value,... (bands.Bands); default: the run's --health-bands")
     args = parser.parse_args(argv)
     try:
-        bands = None if args.bands is None else health.parse_bands(args.bands)
+        bands = None if args.bands is None else parse_bands(args.bands)
     except ValueError as e:
         parser.error(f"--bands {e}")
     try:
@@ -268,7 +266,7 @@ def main(argv=None):
     if argv[:1] == ["report"]:
         return report(argv[1:])
     from config import Append
-    from reward import reward_rules, reward_specs, reward_weights  # the trainer's --reward-fn/--reward-weights
+    from flag_rules import reward_rules, reward_specs, reward_weights  # the trainer's --reward-fn/--reward-weights
 
     # no abbreviations: a misspelt flag is an error, not silently some other flag
     parser = argparse.ArgumentParser(
@@ -361,7 +359,7 @@ def main(argv=None):
     from chat_template import ChatTemplateError
     from engine import stop_token_ids
     from memory import free_memory_gib
-    from models import check_model_path, context_length
+    from model_dir import check_model_path, context_length
     from policy import compute_dtype
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import make_engine

@@ -1,7 +1,11 @@
 """The constraints between flags that belong to one feature, for config.check_args: where rollouts are
-made (--rollout-ranks, --max-staleness, --stream-rollouts, --tensor-parallel-size) and how long a
-worker's call may take (--reward-timeout, --tool-timeout). They live here, below config.py, not in
+made (--rollout-ranks, --max-staleness, --stream-rollouts, --tensor-parallel-size), how long a
+worker's call may take (--reward-timeout, --tool-timeout), and which reward functions to load
+(--reward-fn, --reward-weights; eval.py takes the same two). They live here, below config.py, not in
 rollout_ranks.py and reward_worker.py: the flags import no feature module."""
+
+import math
+import os
 
 
 def placement_rules(a, world):
@@ -65,3 +69,35 @@ def timeout_rules(args):
             ("--tool-timeout", args.tool_timeout, args.tools, "--tools"),
         )
     ]
+
+
+def reward_rules(args):
+    """config.check_args' rules for --reward-fn and --reward-weights (eval.py takes the same two flags)."""
+    specs, weights = reward_specs(args), reward_weights(args)
+    return [
+        *[
+            (
+                os.path.isfile(spec.partition(":")[0]),
+                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
+            )
+            for spec in specs
+        ],
+        (
+            not args.reward_weights or len(weights or []) == len(specs) > 0,
+            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(specs)} given)",
+        ),
+    ]
+
+
+def reward_specs(args):
+    """--reward-fn a.py:f --reward-fn b.py:g (or a.py:f,b.py:g) -> ["a.py:f", "b.py:g"]."""
+    return [spec.strip() for spec in args.reward_fn.split(",") if spec.strip()]
+
+
+def reward_weights(args):
+    """--reward-weights 1,0.5 -> [1.0, 0.5]; None when not given or not numbers (check_args says so)."""
+    try:
+        weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
+    except ValueError:
+        return None
+    return weights if weights and all(math.isfinite(w) for w in weights) else None

@@ -2,7 +2,7 @@
 
 Most of the time spent with an RL run goes into judging it: is the reward rising, is the policy
 collapsing, is it over-fitting, is it getting slower? Practitioners check a known list of signals
-by hand in wandb. Here each signal has a healthy band (`Bands`, overridable with
+by hand in wandb. Here each signal has a healthy band (`bands.Bands`, overridable with
 `--health-bands name=value,...`), and `Monitor` reads each row train_grpo.py logs and returns a
 warning when a signal leaves its band (once; the same warning repeats only after `quiet` healthy
 steps). train_grpo.py prints them as they happen.
@@ -11,67 +11,12 @@ The end-of-run report (report.py) judges the whole run against the same bands, a
 warnings by replaying the Monitor over metrics.jsonl.
 """
 
-import dataclasses
 import math
 import re
 
 import numpy as np
 
 FIRST_STEP = "perf/first_step_after_start"  # marks each process's first step: its time includes the start-up
-
-
-@dataclasses.dataclass
-class Bands:
-    val_falls: int = 3
-    """Warn when validation reward has fallen this many validations in a row."""
-    train_val_gap: float = 0.2
-    """Warn when train reward exceeds validation reward by more than this fraction of the train reward."""
-    gap_floor: float = 0.05
-    """Judge the train/val gap only once the train reward is at least this (near 0 it is noise)."""
-    kl_max: float = 0.03
-    """actor/kl_loss above this: the policy is drifting away from the reference."""
-    grad_norm_max: float = 1.0
-    """actor/grad_norm (before clipping) above this."""
-    grad_norm_jump: float = 5.0
-    """actor/grad_norm above this multiple of its median over the previous 20 steps."""
-    entropy_min: float = 0.1
-    """actor/entropy (nats per token) below this: the policy is nearly deterministic, exploration ends."""
-    entropy_drop: float = 0.5
-    """actor/entropy falling by more than this fraction in one step: the update was too large."""
-    entropy_max_late: float = 1.0
-    """actor/entropy above this late in training: the policy is not sharpening."""
-    late: float = 0.5
-    """Where "late in training" starts, as a fraction of the total steps."""
-    step_time_jump: float = 3.0
-    """timing_s/step above this multiple of its median over the previous 20 steps."""
-    logprob_gap_fp32: float = 1e-2
-    """training/rollout_logprob_diff_max (nats) above this in an fp32 run: the engine's log-probs are not
-    the policy's (normal: below 1e-4, docs/precision.md)."""
-    logprob_gap_bf16: float = 1.0
-    """The same in a bf16 run, where its rounding alone reaches 0.6 (SmolLM2)."""
-    probs_gap_fp32: float = 1e-4
-    """training/rollout_probs_diff_mean above this in an fp32 run (normal: about 5e-6)."""
-    probs_gap_bf16: float = 0.02
-    """The same in a bf16 run (normal: up to 8.3e-3, SmolLM2)."""
-    quiet: int = 20
-    """Steps a signal must stay healthy before the same warning is printed again."""
-    target: float = float("nan")
-    """Validation reward the run should reach (the report judges against it; nan: no target)."""
-
-
-def parse_bands(text):
-    """'kl_max=0.05,target=0.9' -> Bands; unknown names and bad values are errors that list the choices."""
-    bands, fields = Bands(), {f.name: f.type for f in dataclasses.fields(Bands)}
-    for item in filter(None, (s.strip() for s in (text or "").split(","))):
-        name, _, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if name not in fields or not value:
-            raise ValueError(f"{item!r}: expected name=value with name one of {', '.join(fields)}")
-        try:
-            setattr(bands, name, (int if fields[name] in (int, "int") else float)(value))
-        except ValueError:
-            raise ValueError(f"{item!r}: {value!r} is not a number") from None
-    return bands
 
 
 def gap_bands(bands, config):

@@ -9,7 +9,7 @@ import os
 import torch
 
 from engine import Rollout, per_prompt, sample_seeds, stop_token_ids
-from models import check_model_path
+from model_dir import check_model_path
 
 
 def filter_logits(z, top_k=-1, top_p=1.0):

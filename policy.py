@@ -249,7 +249,7 @@ def compute_dtype(choice, device):
 
 def load_model(path, dtype, device):
     """The causal LM in `path` on `device`. Never runs Python code from the model directory
-    (trust_remote_code=False): models.check_model_path refuses a directory that needs it."""
+    (trust_remote_code=False): model_dir.check_model_path refuses a directory that needs it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)

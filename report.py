@@ -2,7 +2,7 @@
 
 write_report reads a run directory (config.json, metrics.jsonl, samples/) and writes
 report/report.md with PNG plots beside it, every item judged healthy / watch / problem against
-the band shown next to it (health.Bands, the same bands as the live warnings). `judge` makes the
+the band shown next to it (bands.Bands, the same bands as the live warnings). `judge` makes the
 checks, one function per section of the report: task effect, convergence, stability, efficiency.
 
 The report is a pure function of the run directory, so `python eval.py report RUN_DIR` gives the
@@ -18,7 +18,8 @@ import re
 
 import numpy as np
 
-from health import FIRST_STEP, Monitor, non_finite, parse_bands, train_reward_near, val_keys
+from bands import parse_bands
+from health import FIRST_STEP, Monitor, non_finite, train_reward_near, val_keys
 
 
 def read_run(run_dir):

@@ -311,38 +311,6 @@ def weighted_reward(fns, weights=None, names=None):
     return fn
 
 
-def reward_rules(args):
-    """config.check_args' rules for --reward-fn and --reward-weights (eval.py takes the same two flags)."""
-    specs, weights = reward_specs(args), reward_weights(args)
-    return [
-        *[
-            (
-                os.path.isfile(spec.partition(":")[0]),
-                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
-            )
-            for spec in specs
-        ],
-        (
-            not args.reward_weights or len(weights or []) == len(specs) > 0,
-            f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(specs)} given)",
-        ),
-    ]
-
-
-def reward_specs(args):
-    """--reward-fn a.py:f --reward-fn b.py:g (or a.py:f,b.py:g) -> ["a.py:f", "b.py:g"]."""
-    return [spec.strip() for spec in args.reward_fn.split(",") if spec.strip()]
-
-
-def reward_weights(args):
-    """--reward-weights 1,0.5 -> [1.0, 0.5]; None when not given or not numbers (check_args says so)."""
-    try:
-        weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
-    except ValueError:
-        return None
-    return weights if weights and all(math.isfinite(w) for w in weights) else None
-
-
 def reward_names(specs):
     """A short, unique name per reward spec 'path/to/file.py:function': "file.function", and
     "file.function_2", ... for repeats. Names contain no '/', so reward_extra/<name>/mean reads as one

@@ -20,10 +20,10 @@ from policy import shard
 
 def check_reward_model(path):
     """Exit with a message naming --reward-model and the file at fault when `path` cannot be a reward
-    model: what models.check_model_path refuses for the policy (no config.json, missing or truncated
+    model: what model_dir.check_model_path refuses for the policy (no config.json, missing or truncated
     weights, no tokenizer, Python code of its own to run), or a config with more than one output.
     Reads only JSON files and safetensors headers: call it before anything loads."""
-    from models import check_model_path, read_json
+    from model_dir import check_model_path, read_json
 
     try:
         check_model_path(path)

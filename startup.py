@@ -13,9 +13,10 @@ import torch.distributed as dist
 import data_prep
 import run_dir
 from engine import stop_token_ids
+from flag_rules import reward_specs, reward_weights
 from multi_turn import start_tools
 from policy import compute_dtype
-from reward import compute_score, load_reward_fns, reward_specs, reward_weights
+from reward import compute_score, load_reward_fns
 
 
 def quiet(args):

@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+import bands
 import checkpoint
 import data_prep
 import health
@@ -47,14 +48,14 @@ from distributed import (
     full_tensor,
     init_distributed,
     print0,
-    record_root_cause,
     run,
     stop_requested,
 )
 from eval import keep_best
-from loss import agg_denominator, loss_agg_for, micro_batch_loss
+from loss import micro_batch_loss
+from loss_agg import agg_denominator, loss_agg_for
 from memory import check_update_memory
-from models import check_model_path
+from model_dir import check_model_path
 from policy import (
     compute_logprobs,
     diverged_message,
@@ -70,6 +71,7 @@ from policy import (
 )
 from rollout import start_engine
 from run_log import RunLog, sample_records, should_stop, step_metrics, timed
+from user_errors import record_root_cause
 from weight_sync import check_rollout
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +95,7 @@ def check_inputs(args):
         check_model_path(args.model)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--model: {e}") from None
-    from models import check_context_length
+    from model_dir import check_context_length
 
     try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
         check_context_length(args.model, args.max_prompt_length, args.max_response_length)
@@ -285,7 +287,7 @@ def main():
                                  pad_id=pad_id, rank=rank, world=world, device=device, total_steps=total_steps)  # fmt: skip
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
-    monitor = health.Monitor(health.parse_bands(args.health_bands), total_steps, config)
+    monitor = health.Monitor(bands.parse_bands(args.health_bands), total_steps, config)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
     checkpointer = (
         checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None

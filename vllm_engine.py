@@ -12,7 +12,7 @@ import torch
 
 from distributed import expandable_segments
 from engine import Rollout, per_prompt, sample_seeds
-from models import check_model_path
+from model_dir import check_model_path
 
 
 def with_tied_lm_head(named_tensors):

@@ -200,7 +200,7 @@ def main():
     model_dir = build_model(args)
     from transformers import AutoConfig
 
-    from models import weights_size
+    from model_dir import weights_size
 
     config = AutoConfig.from_pretrained(model_dir)
     n_matmul = matmul_params(model_dir)

@@ -245,7 +245,8 @@ def update(model, opt, batch, targs, device):
 
 def phases(model, opt, batch, targs, device, reps):
     """update_policy's pieces for one mini-batch of one micro-batch, each timed with synchronisation."""
-    from loss import agg_denominator, loss_agg_for, micro_batch_loss
+    from loss import micro_batch_loss
+    from loss_agg import agg_denominator, loss_agg_for
 
     agg, out = (
         loss_agg_for(targs.loss_mode, targs.loss_agg),

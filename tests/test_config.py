@@ -498,3 +498,17 @@ def test_what_tensor_parallelism_cannot_do_right_is_refused_by_name():
     ]:
         problems = config.check_args(dataclasses.replace(ok, **change), world=4)
         assert any(p.startswith(message) for p in problems), problems
+
+
+def test_the_choices_of_a_flag_are_exactly_what_the_code_consumes():
+    """config.py lists each fixed set of values itself (it imports no feature module), so a mode added to
+    loss.py or advantage.py must be added to its flag too: --help and check_args read the list here."""
+    import advantage
+    import loss
+    import loss_agg
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(config.Args) if "choices" in f.metadata}
+    assert choices["loss_mode"] == loss.LOSS_MODES
+    assert choices["loss_agg"] == loss_agg.AGG_MODES
+    assert choices["kl_kind"] == tuple(loss.KL_KINDS)
+    assert choices["adv_estimator"] == advantage.ADV_ESTIMATORS

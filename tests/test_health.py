@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+import bands
 import eval as evaluate
 import health
 import report
@@ -50,17 +51,17 @@ def feed(monitor, rows):
 
 
 def test_bands_parse_and_reject_unknown_names():
-    b = health.parse_bands("kl_max=0.05, target=0.9,val-falls=2")
+    b = bands.parse_bands("kl_max=0.05, target=0.9,val-falls=2")
     assert (b.kl_max, b.target, b.val_falls) == (0.05, 0.9, 2) and isinstance(b.val_falls, int)
-    assert health.parse_bands("").grad_norm_max == 1.0 and math.isnan(health.parse_bands("").target)
+    assert bands.parse_bands("").grad_norm_max == 1.0 and math.isnan(bands.parse_bands("").target)
     with pytest.raises(ValueError, match="kl_maxx=1.*one of val_falls"):
-        health.parse_bands("kl_maxx=1")
+        bands.parse_bands("kl_maxx=1")
     with pytest.raises(ValueError, match="'high' is not a number"):
-        health.parse_bands("kl_max=high")
+        bands.parse_bands("kl_max=high")
 
 
 def test_a_healthy_run_raises_no_warning():
-    monitor = health.Monitor(health.Bands(), total_steps=100)
+    monitor = health.Monitor(bands.Bands(), total_steps=100)
     rows = [{"step": 0, VAL: 0.1}] + [step_row(s) for s in range(1, 101)]
     rows += [{"step": 100, VAL: 0.45}]  # validation reward rose; train reward 0.5: gap 10%
     assert feed(monitor, rows) == []
@@ -78,7 +79,7 @@ def test_a_healthy_run_raises_no_warning():
     ],
 )
 def test_each_signal_warns_once_when_it_leaves_its_band(over, expected):
-    monitor = health.Monitor(health.parse_bands("entropy_drop=1"), total_steps=100)  # one signal at a time
+    monitor = health.Monitor(bands.parse_bands("entropy_drop=1"), total_steps=100)  # one signal at a time
     feed(monitor, [step_row(s) for s in range(1, 11)])
     # out of band for 5 steps: one warning, not five
     warnings = feed(monitor, [step_row(s, **over) for s in range(11, 16)])
@@ -86,7 +87,7 @@ def test_each_signal_warns_once_when_it_leaves_its_band(over, expected):
 
 
 def test_a_warning_repeats_only_after_the_signal_was_healthy_for_quiet_steps():
-    monitor = health.Monitor(health.parse_bands("quiet=5"), total_steps=100)
+    monitor = health.Monitor(bands.parse_bands("quiet=5"), total_steps=100)
     bad = {"actor/kl_loss": 0.1}
     rows = [
         step_row(1, **bad),
@@ -98,13 +99,13 @@ def test_a_warning_repeats_only_after_the_signal_was_healthy_for_quiet_steps():
 
 
 def test_grad_norm_jump_is_relative_to_the_recent_median():
-    monitor = health.Monitor(health.parse_bands("grad_norm_max=100"), total_steps=100)
+    monitor = health.Monitor(bands.parse_bands("grad_norm_max=100"), total_steps=100)
     rows = [step_row(s, **{"actor/grad_norm": 0.1}) for s in range(1, 21)] + [step_row(21, **{"actor/grad_norm": 0.8})]
     assert feed(monitor, rows) == ["step 21: actor/grad_norm 0.8 jumped 8x its recent median 0.1 (band: < 5.0x)"]
 
 
 def test_a_grad_norm_after_a_run_of_zeros_is_not_an_infinite_jump(recwarn):
-    monitor = health.Monitor(health.parse_bands(""), total_steps=100)
+    monitor = health.Monitor(bands.parse_bands(""), total_steps=100)
     rows = [step_row(s, **{"actor/grad_norm": 0.0}) for s in range(1, 21)] + [step_row(21, **{"actor/grad_norm": 0.15})]
     assert feed(monitor, rows) == []  # was "jumped infx its recent median 0", with a division-by-zero warning
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
@@ -115,7 +116,7 @@ def test_non_finite_metrics_warn_live_and_make_the_report_a_problem(tmp_path):
 
     rows = [{"step": 0, VAL: 0.1}] + [step_row(s) for s in range(1, 8)]
     rows += [step_row(s, **{"actor/entropy": math.nan, "actor/pg_loss": math.inf}) for s in range(8, 11)]
-    warnings = feed(health.Monitor(health.parse_bands(""), total_steps=10), rows)
+    warnings = feed(health.Monitor(bands.parse_bands(""), total_steps=10), rows)
     assert any("actor/entropy, actor/pg_loss not finite" in w for w in warnings), warnings
     run = tmp_path / "run"
     write_run(run, rows, max_steps=10)
@@ -134,7 +135,7 @@ def test_non_finite_metrics_warn_live_and_make_the_report_a_problem(tmp_path):
 
 
 def test_a_sudden_entropy_drop_blames_the_learning_rate():
-    monitor = health.Monitor(health.Bands(), total_steps=100)
+    monitor = health.Monitor(bands.Bands(), total_steps=100)
     rows = [
         step_row(1, **{"actor/entropy": 2.0}),
         step_row(2, **{"actor/entropy": 1.2}),
@@ -146,14 +147,14 @@ def test_a_sudden_entropy_drop_blames_the_learning_rate():
 
 
 def test_high_entropy_warns_only_late_in_training():
-    monitor = health.Monitor(health.Bands(), total_steps=100)
+    monitor = health.Monitor(bands.Bands(), total_steps=100)
     early = feed(monitor, [step_row(s, **{"actor/entropy": 2.0}) for s in range(1, 51)])
     late = feed(monitor, [step_row(51, **{"actor/entropy": 2.0})])
     assert early == [] and len(late) == 1 and "late in training (step 51 of 100)" in late[0]
 
 
 def test_validation_falling_three_times_in_a_row_and_the_train_val_gap():
-    monitor = health.Monitor(health.Bands(), total_steps=100)
+    monitor = health.Monitor(bands.Bands(), total_steps=100)
     rows = [step_row(s, **{"critic/score/mean": 0.9}) for s in range(1, 11)]
     rows += [{"step": 10, VAL: v} for v in (0.85, 0.8, 0.75)]  # falling, but only twice, and gap < 20%
     assert feed(monitor, rows) == []
@@ -164,7 +165,7 @@ def test_validation_falling_three_times_in_a_row_and_the_train_val_gap():
 
 
 def test_the_gap_is_not_judged_while_train_reward_is_near_zero():
-    monitor = health.Monitor(health.Bands(), total_steps=100)
+    monitor = health.Monitor(bands.Bands(), total_steps=100)
     rows = [step_row(s, **{"critic/score/mean": 0.02}) for s in range(1, 11)] + [{"step": 10, VAL: 0.0}]
     assert feed(monitor, rows) == []
 
@@ -302,13 +303,13 @@ def test_a_resumed_runs_first_step_with_its_start_up_is_not_a_slow_step(tmp_path
         start = s in (1, 20)  # a new run, and the same run resumed for its last step
         rows.append(step_row(s, **({"timing_s/step": 6.0, health.FIRST_STEP: 1.0} if start else {})))
     rows[-1][VAL] = 0.45
-    assert feed(health.Monitor(health.Bands(), 20), rows) == []
+    assert feed(health.Monitor(bands.Bands(), 20), rows) == []
     write_run(tmp_path / "run", rows)
     path, _ = report.write_report(str(tmp_path / "run"))
     assert verdicts(open(path).read())["step time (timing_s/step)"] == "healthy"
     for row in rows:  # unmarked, the same times are a spike and a slow end
         row.pop(health.FIRST_STEP, None)
-    assert any("timing_s/step 6 s is 6.0x" in w for w in feed(health.Monitor(health.Bands(), 20), rows))
+    assert any("timing_s/step 6 s is 6.0x" in w for w in feed(health.Monitor(bands.Bands(), 20), rows))
     write_run(tmp_path / "unmarked", rows)
     path, _ = report.write_report(str(tmp_path / "unmarked"))
     assert verdicts(open(path).read())["step time (timing_s/step)"] == "problem"
@@ -320,15 +321,15 @@ def test_an_engine_gap_far_past_the_dtypes_rounding_is_a_problem_live_and_in_the
     gap also holds the updates since the samples were drawn, so it is not judged."""
     gap = {"training/rollout_logprob_diff_max": 1.4, "training/rollout_probs_diff_mean": 0.014}
     fine = {"training/rollout_logprob_diff_max": 1e-6, "training/rollout_probs_diff_mean": 5e-9}
-    fp32 = health.Monitor(health.Bands(), total_steps=100, config={"dtype": "fp32"})
+    fp32 = health.Monitor(bands.Bands(), total_steps=100, config={"dtype": "fp32"})
     assert feed(fp32, [step_row(s, **fine) for s in range(1, 4)]) == []
     warnings = feed(fp32, [step_row(4, **gap)])
     assert len(warnings) == 1 and "the engine's log-probs are not the policy's" in warnings[0]
     assert "1.4 nats" in warnings[0] and "<= 0.01" in warnings[0], warnings
     bf16 = {"training/rollout_logprob_diff_max": 0.6, "training/rollout_probs_diff_mean": 8.3e-3}
-    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "bf16"}), [step_row(1, **bf16)]) == []
-    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "fp32"}), [step_row(1, **bf16)]) != []
-    assert feed(health.Monitor(health.Bands(), 100, {"dtype": "fp32", "max_staleness": 1}), [step_row(1, **gap)]) == []
+    assert feed(health.Monitor(bands.Bands(), 100, {"dtype": "bf16"}), [step_row(1, **bf16)]) == []
+    assert feed(health.Monitor(bands.Bands(), 100, {"dtype": "fp32"}), [step_row(1, **bf16)]) != []
+    assert feed(health.Monitor(bands.Bands(), 100, {"dtype": "fp32", "max_staleness": 1}), [step_row(1, **gap)]) == []
 
     rows = [{"step": 0, VAL: 0.1}] + [step_row(s, **(gap if s == 3 else fine)) for s in range(1, 6)]
     write_run(tmp_path / "run", rows)

@@ -1,6 +1,6 @@
 """Bad inputs fail when they are loaded, naming the file at fault, not at the training step or
 engine load that first touches them: data rows with no reward, model directories with a piece
-missing or cut short (models.check_model_path), and chat templates that never finish rendering
+missing or cut short (model_dir.check_model_path), and chat templates that never finish rendering
 (chat_template.bound_chat_template). No engine is built here."""
 
 import json
@@ -14,7 +14,7 @@ from test_data_prep import GOOD, guard, looping_model  # noqa: F401 (guard: a fi
 
 from chat_template import ChatTemplateError
 from data_prep import DataError, load_dataset
-from models import check_model_path
+from model_dir import check_model_path
 from reward import BUILTIN_SOURCES
 from rollout import make_engine
 
@@ -304,7 +304,7 @@ def test_a_training_checkpoint_run_directory_or_adapter_says_what_to_pass(tmp_pa
 
 
 def test_context_length_follows_vllms_rule(model_copy):
-    from models import check_context_length, context_length
+    from model_dir import check_context_length, context_length
 
     config, tokenizer_config = (os.path.join(model_copy, f) for f in ("config.json", "tokenizer_config.json"))
     assert context_length(model_copy) == (512, f"max_position_embeddings in {config}")  # the tiny model's

@@ -8,16 +8,13 @@ import math
 import pytest
 import torch
 
-from loss import (
-    LOSS_MODES,
-    SEQ_MEAN_AGG,
-    agg_denominator,
+from loss import LOSS_MODES, policy_loss
+from loss_agg import SEQ_MEAN_AGG, agg_denominator, loss_agg_for
+from loss_variants import (
     cispo_policy_loss,
     clip_cov_policy_loss,
     geo_mean_policy_loss,
     kl_cov_policy_loss,
-    loss_agg_for,
-    policy_loss,
     sapo_policy_loss,
 )
 

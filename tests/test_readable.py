@@ -112,6 +112,27 @@ def test_imports_only_go_down():
     )
 
 
+def project_imports(path):
+    """The project's modules that a file imports, at the top or in a function."""
+    modules = {name(p)[:-3].replace(os.sep, ".") for p in CORE}
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found & modules
+
+
+def test_the_flags_import_no_feature_module():
+    """config.py sits low in the house, so every feature may read Args: the rules of each flag live with
+    the flags (flag_rules.py, bands.py), and what an error tells the user (user_errors.py) is below them."""
+    below = {"flag_rules", "bands", "user_errors"}
+    assert project_imports(os.path.join(REPO, "config.py")) <= below
+    for module in below:
+        assert not project_imports(os.path.join(REPO, f"{module}.py")), module
+
+
 def main_function(path):
     tree = ast.parse(open(path).read())
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")

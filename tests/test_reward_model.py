@@ -56,7 +56,7 @@ def test_a_model_with_more_than_one_output_is_refused(tmp_path):
 
 
 def test_a_reward_model_that_needs_its_own_code_is_refused_and_its_code_never_runs(tmp_path, rm_dir):
-    """The reward model's directory gets the policy's checks (models.check_model_path); loading it
+    """The reward model's directory gets the policy's checks (model_dir.check_model_path); loading it
     never asks to run its code, so a "y" on the console cannot run it."""
     import shutil
     import subprocess

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bands  # noqa: E402
 import health  # noqa: E402
 import run_log  # noqa: E402
 from run_log import RunLog  # noqa: E402
@@ -71,7 +72,7 @@ def test_run_log_writes_jsonl_tensorboard_and_samples(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (tmp_path / "samples").mkdir()
-    monitor = health.Monitor(health.parse_bands(""), total_steps=2)
+    monitor = health.Monitor(bands.parse_bands(""), total_steps=2)
     log = RunLog(str(tmp_path), dict(lr=0.1), ["console", "jsonl", "tensorboard"], monitor, rank=0)
     log.start(dict(lr=0.1), [], start_step=0, total_steps=2)
     log.log(0, {"val-core/x/reward/mean@1": 0.25})
@@ -103,7 +104,7 @@ def test_a_resumed_log_rewrites_the_run_files_to_the_checkpoint(tmp_path):
     (tmp_path / "samples").mkdir()
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s)) + "\n" for s in range(5)))
     (tmp_path / "samples" / "train.jsonl").write_text("".join(json.dumps(dict(step=s)) + "\n" for s in range(1, 5)))
-    log = RunLog(str(tmp_path), {}, ["jsonl"], health.Monitor(health.parse_bands(""), 9), rank=0)
+    log = RunLog(str(tmp_path), {}, ["jsonl"], health.Monitor(bands.parse_bands(""), 9), rank=0)
     log.start({}, [dict(step=s) for s in range(3)], start_step=2, total_steps=9)
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     assert [json.loads(line)["step"] for line in open(tmp_path / "samples" / "train.jsonl")] == [1, 2]

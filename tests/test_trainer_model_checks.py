@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 from test_inputs import with_its_own_code
 
-from models import build_random_model, build_tiny_model, check_model_path
+from model_dir import check_model_path
+from models import build_random_model, build_tiny_model
 from tasks.digits import TASK_WORDS, write_digits
 
 SMALL = (

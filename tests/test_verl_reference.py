@@ -19,6 +19,8 @@ import torch
 
 import advantage
 import loss
+import loss_agg
+import loss_variants
 
 VERL_REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".verl_ref")
 
@@ -78,21 +80,23 @@ def random_batch(seed, B=12, T=9):
     return logp, old, adv, mask, g
 
 
-@pytest.mark.parametrize("mode", loss.AGG_MODES)
+@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
 @pytest.mark.parametrize("scale", [None, 7.0])
 def test_agg_loss_equals_verl(core_algos, mode, scale):
     for seed in range(5):
         _, _, _, mask, g = random_batch(seed)
         loss_mat = torch.randn(mask.shape, generator=g)
         theirs = core_algos.agg_loss(loss_mat, mask, mode, loss_scale_factor=scale)
-        torch.testing.assert_close(loss.agg_loss(loss_mat, mask, mode, norm_len=scale), theirs, rtol=1e-6, atol=5e-7)
+        torch.testing.assert_close(
+            loss_agg.agg_loss(loss_mat, mask, mode, norm_len=scale), theirs, rtol=1e-6, atol=5e-7
+        )
     # the case Dr. GRPO's old sum over sequences got wrong: verl gives 1, the sum gave 2
     two = core_algos.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
-    mine = loss.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
+    mine = loss_agg.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
     torch.testing.assert_close(mine, two)
 
 
-@pytest.mark.parametrize("mode", loss.AGG_MODES)
+@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
 def test_vanilla_policy_loss_equals_verl(core_algos, mode):
     for seed in range(5):
         logp, old, adv, mask, g = random_batch(seed)
@@ -116,7 +120,7 @@ def test_gspo_loss_equals_verl(core_algos):
         for key, value in fields.items():
             object.__setattr__(config, key, value)
         theirs, _ = core_algos.compute_policy_loss_gspo(old, logp, adv, mask, "seq-mean-token-mean", config)
-        mine, _ = loss.gspo_policy_loss(logp, old, adv, mask, 3e-4, 4e-4)
+        mine, _ = loss_variants.gspo_policy_loss(logp, old, adv, mask, 3e-4, 4e-4)
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=5e-7)
 
 
@@ -149,7 +153,7 @@ def assert_same_as_verl(theirs, mine, batch, seed=0):
         assert value.item() == pytest.approx(their_metrics[f"actor/{key}"], abs=1e-6), key
 
 
-@pytest.mark.parametrize("mode", loss.AGG_MODES)
+@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
 def test_cispo_equals_verl(core_algos, mode):
     config = real_actor_config(core_algos, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
     if "norm" in mode:
@@ -208,7 +212,7 @@ def test_geo_mean_skips_the_empty_sequences_verl_averages_over(core_algos):
     logp, old, adv, mask, _ = random_batch(0)  # sequence 3 has no tokens
     config = verl_config("token-mean", 0.4, 0.4)
     theirs, _ = core_algos.compute_policy_loss_geo_mean(old, logp, adv, mask, "token-mean", config)
-    mine, _ = loss.geo_mean_policy_loss(logp, old, adv, mask, 0.4, 0.4)
+    mine, _ = loss_variants.geo_mean_policy_loss(logp, old, adv, mask, 0.4, 0.4)
     torch.testing.assert_close(mine, theirs * 12 / 11, rtol=1e-6, atol=1e-6)  # verl: / 12 sequences, ours: / 11
 
 
