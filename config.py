@@ -1,4 +1,4 @@
-"""The run's flags: one dataclass, a docstring under every field (they become --help), and the
+"""The run's flags: one dataclass, a docstring under every field (cli.py makes them --help), and the
 checks on them, made before anything loads: a typo should cost seconds, not an engine load.
 
     python train_grpo.py --help
@@ -7,19 +7,13 @@ Args' defaults are verl's GRPO defaults; DEMO_OVERRIDES replaces some for the ti
 flag is a field with its docstring; the range of its values goes next to it (see rule), and a
 constraint between flags (or on files, ranks, the GPU) goes in check_args."""
 
-import argparse
-import ast
 import dataclasses
-import inspect
 import math
 import os
-import sys
-import textwrap
 from dataclasses import dataclass
 
 from bands import parse_bands
 from flag_rules import placement_rules, reward_rules, timeout_rules
-from user_errors import record_root_cause
 
 
 def rule(default, must_be, ok, loss_mode=None):
@@ -288,16 +282,6 @@ DEMO_OVERRIDES.update(max_prompt_length=32, max_response_length=4, kl_coef=0.0, 
 DEMO_OVERRIDES.update(max_steps=200, test_freq=10)
 
 
-def field_docs(cls):
-    """The docstring under each dataclass field, read from the source: they become --help."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        a.target.id: b.value.value
-        for a, b in zip(body, body[1:])
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-    }
-
-
 def check_args(args, world=1, cuda=None):
     """Every flag's allowed values and the constraints between flags, checked before anything loads: the problems,
     one line each naming the flag and what it accepts; [] if none. `world`: ranks; `cuda`: a GPU? (None: torch says)"""
@@ -423,62 +407,6 @@ def loggers(args):
     return [name.strip() for name in args.logger.split(",") if name.strip()]
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, whose errors are also torchrun's root cause (user_errors.record_root_cause): the
-    last line torchrun prints about a failed rank is then the error, not a pointer to its docs."""
-
-    def error(self, message):
-        record_root_cause(f"{self.prog}: error: {message}")
-        super().error(message)
-
-
-class Append(argparse.Action):
-    """A flag that may be repeated: its values are joined with commas into one string field."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        before = getattr(namespace, self.dest)
-        setattr(namespace, self.dest, f"{before},{value}" if before else value)
-
-
 def allowed_changes(args):
     """--allow-changed lr,kl-coef -> {"lr", "kl_coef"}."""
     return {name.strip().lstrip("-").replace("-", "_") for name in args.allow_changed.split(",") if name.strip()}
-
-
-def given_flags(argv):
-    """The names of the flags on a command line (--no-x gives x)."""
-    return {a.split("=")[0].lstrip("-").replace("-", "_").removeprefix("no_") for a in argv if a.startswith("--")}
-
-
-def parse_args(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    # no abbreviations: --max-st 5 would otherwise be --max-steps 5, then lost to the demo's max_steps.
-    # A short usage line, so that an error is not buried under fifty flags.
-    parser = Parser(
-        usage="%(prog)s [--flag value ...]   (--help lists every flag)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    docs = field_docs(Args)
-    for f in dataclasses.fields(Args):
-        name, help_text = flag(f.name), f"{docs[f.name]} (default: {f.default})"
-        if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name == "reward_fn":
-            parser.add_argument(name, action=Append, default=f.default, help=help_text)
-        else:
-            parser.add_argument(name, type=f.type, default=f.default, choices=f.metadata.get("choices"), help=help_text)
-    args = Args(**vars(parser.parse_args(argv)))
-    if args.model == "tiny":
-        for key, value in DEMO_OVERRIDES.items():
-            if key not in given_flags(argv):
-                setattr(args, key, value)
-    if args.grad_checkpointing and "share_prompts" not in given_flags(argv):  # checkpointed layers drop the KV cache
-        args.share_prompts = False
-    if args.max_staleness and "tis_cap" not in given_flags(argv):  # the decoupled loss's cap
-        args.tis_cap = 2.0  # verl's rollout_is_threshold
-    problems = check_args(args, world=int(os.environ.get("WORLD_SIZE", 1)))  # torchrun sets WORLD_SIZE
-    if problems:
-        parser.error("\n  ".join(problems))
-    return args

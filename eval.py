@@ -265,7 +265,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
-    from config import Append
+    from cli import Append
     from flag_rules import reward_rules, reward_specs, reward_weights  # the trainer's --reward-fn/--reward-weights
 
     # no abbreviations: a misspelt flag is an error, not silently some other flag

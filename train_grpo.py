@@ -40,7 +40,8 @@ import safe_write
 import startup
 from advantage import compute_advantages
 from async_rollout import staleness_metrics
-from config import loggers, parse_args
+from cli import parse_args
+from config import loggers
 from distributed import (
     all_sum,
     all_sum_tensor,

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import logprobs  # noqa: E402
 import policy  # noqa: E402
 import train_grpo  # noqa: E402
-from config import parse_args as trainer_args  # noqa: E402
+from cli import parse_args as trainer_args  # noqa: E402
 from distributed import init_distributed  # noqa: E402
 
 CHANGES = ("head", "overflow", "fused", "reshard", "expandable")  # reshard: keep the gathered weights (one rank)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import policy  # noqa: E402
 import train_grpo  # noqa: E402
-from config import parse_args as trainer_args  # noqa: E402
+from cli import parse_args as trainer_args  # noqa: E402
 from distributed import init_distributed  # noqa: E402
 
 

@@ -13,6 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import cli  # noqa: E402
 import config  # noqa: E402
 import eval as evaluate  # noqa: E402
 
@@ -195,7 +196,7 @@ def test_a_bad_flag_is_refused_by_name(argv, message, capsys, monkeypatch):
     for model in ("tiny", "Qwen/Qwen2.5-0.5B-Instruct"):  # with and without the demo's overrides
         if "--model" in argv and model != "tiny":
             continue
-        err = refused(config.parse_args, ["--model", model, *argv], capsys)
+        err = refused(cli.parse_args, ["--model", model, *argv], capsys)
         assert message in err, f"{argv}: expected {message!r} in:\n{err}"
 
 
@@ -221,7 +222,7 @@ def test_every_field_has_a_bad_case():
 
 
 def test_every_problem_is_reported_at_once(capsys):
-    err = refused(config.parse_args, ["--temperature", "0", "--group-size", "0", "--ppo-epochs", "0"], capsys)
+    err = refused(cli.parse_args, ["--temperature", "0", "--group-size", "0", "--ppo-epochs", "0"], capsys)
     assert "--temperature" in err and "--group-size" in err and "--ppo-epochs" in err
 
 
@@ -257,7 +258,7 @@ def test_batch_sizes_must_split_over_the_ranks(capsys, monkeypatch):
         "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)"
     ]
     monkeypatch.setenv("WORLD_SIZE", "5")  # as torchrun sets it
-    err = refused(config.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
+    err = refused(cli.parse_args, ["--prompt-batch-size", "96", "--mini-batch-size", "48"], capsys)
     assert "--mini-batch-size (48) must be a multiple of the number of ranks (WORLD_SIZE=5)" in err
 
 
@@ -391,13 +392,13 @@ def test_the_project_s_own_flag_sets_pass(tmp_path, monkeypatch):
     assert config.check_args(config.Args(), world=8) == []  # verl's defaults, before the demo's
     for flags, ranks in good_flag_sets(tmp_path):
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
-        config.parse_args(flags)  # exits on any problem
+        cli.parse_args(flags)  # exits on any problem
 
 
 def test_no_abbreviations_so_the_demo_cannot_swallow_a_flag(capsys):
-    assert config.parse_args(["--max-steps", "5"]).max_steps == 5
-    assert config.parse_args(["--max-steps=5"]).max_steps == 5
-    refused(config.parse_args, ["--max-st", "5"], capsys)
+    assert cli.parse_args(["--max-steps", "5"]).max_steps == 5
+    assert cli.parse_args(["--max-steps=5"]).max_steps == 5
+    refused(cli.parse_args, ["--max-st", "5"], capsys)
 
 
 def test_a_bad_flag_fails_before_anything_loads(tmp_path):
@@ -460,17 +461,17 @@ def test_help_documents_every_field():
         [sys.executable, "train_grpo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0
-    docs = config.field_docs(config.Args)
+    docs = cli.field_docs(config.Args)
     for f in dataclasses.fields(config.Args):
         assert f.name in docs, f"Args.{f.name} has no docstring"
         assert "--" + f.name.replace("_", "-") in proc.stdout
 
 
 def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
-    demo = config.parse_args([])
+    demo = cli.parse_args([])
     assert demo.lr == config.DEMO_OVERRIDES["lr"]
-    assert config.parse_args(["--lr", "1e-3"]).lr == 1e-3
-    real = config.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    assert cli.parse_args(["--lr", "1e-3"]).lr == 1e-3
+    real = cli.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
     assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
 
 
@@ -478,9 +479,9 @@ def test_grad_checkpointing_turns_shared_prompts_off_unless_asked_for(monkeypatc
     """Checkpointed layers drop the KV cache that shared prompts need: --grad-checkpointing alone turns
     them off (and the resolved config says so); asking for both is refused (BAD above)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert config.parse_args(["--model", "m"]).share_prompts is True
-    assert config.parse_args(["--model", "m", "--grad-checkpointing"]).share_prompts is False
-    assert config.parse_args(["--model", "m", "--no-share-prompts"]).share_prompts is False
+    assert cli.parse_args(["--model", "m"]).share_prompts is True
+    assert cli.parse_args(["--model", "m", "--grad-checkpointing"]).share_prompts is False
+    assert cli.parse_args(["--model", "m", "--no-share-prompts"]).share_prompts is False
 
 
 def test_what_tensor_parallelism_cannot_do_right_is_refused_by_name():

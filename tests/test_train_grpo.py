@@ -415,7 +415,7 @@ def test_a_micro_batch_that_cannot_fit_is_reported_before_the_first_rollout(tmp_
     from transformers import AutoModelForCausalLM
 
     import memory
-    from config import parse_args
+    from cli import parse_args
     from models import build_tiny_model
     from tasks.digits import TASK_WORDS
 
