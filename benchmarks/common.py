@@ -316,3 +316,13 @@ def parse_ints(parser, flag, text):
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         parser.error(f"{flag} {text!r}: expected comma-separated integers, e.g. 4,8,16")
+
+
+def save_stage(results, stage, value, start, json_path):
+    """One stage's figures into `results`, all of them to `json_path`: a cut-off run keeps every stage done."""
+    results["stages"][stage] = value
+    results["seconds"][stage] = time.perf_counter() - start
+    print(f"== {stage} done at {results['seconds'][stage]:.0f} s", flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1, default=str)

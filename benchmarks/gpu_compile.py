@@ -14,7 +14,7 @@ model: the first update (compiling), the median update, its phases, MFU, peak me
 """
 
 import argparse
-import json
+import functools
 import os
 import sys
 import time
@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+import common  # noqa: E402
 import gpu_update  # noqa: E402
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
@@ -145,13 +146,7 @@ def main():
                 torch=torch.__version__, backend=BACKEND)  # fmt: skip
     results = dict(info=info, stages={}, seconds={})
 
-    def save(stage, value):
-        results["stages"][stage] = value
-        results["seconds"][stage] = time.perf_counter() - start
-        print(f"== {stage} done at {results['seconds'][stage]:.0f} s", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+    save = functools.partial(common.save_stage, results, start=start, json_path=args.json)  # save(stage, value)
 
     tiny = args.dry_run
     mlp = (256, 64, 128) if tiny else (16384 + 2000, 896, 4864)

@@ -16,6 +16,7 @@ CPU through the same stages (the suite runs it).
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -27,6 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
 import logprobs  # noqa: E402
@@ -403,13 +405,7 @@ def main():
     results = dict(info=info, config=vars(args), stages={}, seconds={})
     print(json.dumps(info), flush=True)
 
-    def save(stage, value):
-        results["stages"][stage] = value
-        results["seconds"][stage] = time.perf_counter() - start
-        print(f"== {stage} done at {results['seconds'][stage]:.0f} s", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+    save = functools.partial(common.save_stage, results, start=start, json_path=args.json)  # save(stage, value)
 
     def wanted(stage):
         late = time.perf_counter() - start > args.budget

@@ -1,7 +1,7 @@
 """The codebase stays readable in one sitting: these are the measurements of that, checked on every
 run of the suite. The story (train_grpo.py) passes named things: no *tuple splats and at most 5
 positional parameters per function. No core file is over 450 non-blank lines, no benchmark script
-over 400, no module docstring over 15 lines, and README stays under 300 lines. Neither code nor
+over 400, no module docstring over 15 lines, and README stays under 300 lines and BENCHMARKS.md under 25 KB. Neither code nor
 README cites issue numbers or work sessions: they say why, and the history lives in docs/LOG.md.
 Imports only go down: no two modules import each other, directly or through others."""
 
@@ -54,12 +54,24 @@ def test_the_story_passes_named_things():
     assert not wide, f"train_grpo.py: functions with more than 5 positional parameters: {wide}"
 
 
+def test_benchmarks_md_is_a_summary():
+    """BENCHMARKS.md is one table of the current figures, each with its command and a page under
+    docs/benchmarks/ that holds the detail: at most 25 KB, and every page it names exists."""
+    text = open(FIGURES[0]).read()
+    assert len(text.encode()) <= 25_000
+    pages = set(re.findall(r"\(docs/benchmarks/([\w.-]+\.md)", text))
+    assert pages and all(os.path.isfile(os.path.join(REPO, "docs", "benchmarks", p)) for p in pages), pages
+
+
 def test_readme_is_at_most_300_lines():
     with open(os.path.join(REPO, "README.md")) as f:
         assert len(f.readlines()) <= 300
 
 
-@pytest.mark.parametrize("path", CORE + BENCHMARKS + [os.path.join(REPO, "README.md")], ids=name)
+FIGURES = [os.path.join(REPO, "BENCHMARKS.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "benchmarks", "*.md")))
+
+
+@pytest.mark.parametrize("path", CORE + BENCHMARKS + FIGURES + [os.path.join(REPO, "README.md")], ids=name)
 def test_no_issue_or_session_references(path):
     text = open(path).read()
     refs = re.findall(r"\b(?:issues? \d+|session[- ]\d+)", text, flags=re.IGNORECASE)
