@@ -38,6 +38,12 @@ class Bands:
     """training/rollout_probs_diff_mean above this in an fp32 run (normal: about 5e-6)."""
     probs_gap_bf16: float = 0.02
     """The same in a bf16 run (normal: up to 8.3e-3, SmolLM2)."""
+    distill_kl_rise: float = 1.5
+    """distill/reverse_kl/mean (--teacher), its mean over the last 5 steps, above this multiple of its lowest such
+    mean so far: the student is moving away from the teacher."""
+    distill_kl_fall: float = 0.1
+    """Late in training distill/reverse_kl/mean's last 5 steps should be at least this fraction below its first 5:
+    else the reverse KL is not falling and the student is not learning from the teacher."""
     quiet: int = 20
     """Steps a signal must stay healthy before the same warning is printed again."""
     target: float = float("nan")

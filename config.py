@@ -204,6 +204,19 @@ class Args:
     stream_rollouts: bool = False
     """With --rollout-ranks and --max-staleness: the rollout ranks generate without pause, loading each new version
     mid-answer, and send each group as it ends (verl's fully async; stream_rollouts.py). Resumes validly, not exactly."""
+    # --- on-policy distillation (distill.py, docs/distill.md)
+    teacher: str = ""
+    """A frozen teacher model directory with --model's tokenizer: each model token's advantage gets --distill-coef x
+    (teacher log-prob - student log-prob), the reverse KL's estimate (OPD). --model's own directory: the initial
+    policy (the reference copy, or with LoRA the base); self: the current policy (OPSD, no copy); empty: none."""
+    distill_coef: float = rule(1.0, ">= 0", lambda v: v >= 0)
+    """beta, the weight of the teacher's term in each token's advantage (slime's --opd-kl-coef, default 1)."""
+    reward: bool = True
+    """Train on the reward's group advantage. --no-reward (with --teacher): pure distillation, the teacher's term
+    alone; training rows need no reward_model.ground_truth (rows with one are still scored, for critic/score)."""
+    teacher_prompt_key: str = ""
+    """OPSD: the teacher reads this column of each training row (or key of its extra_info), chat messages or a
+    string, as its prompt (e.g. the question with its solution), then the student's response ids exactly."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
@@ -309,6 +322,14 @@ def check_args(args, world=1, cuda=None):
         (a.reward_model or not a.reward_model_only, "--reward-model-only needs --reward-model DIR"),
         (not a.tools or os.path.isfile(a.tools.partition(":")[0]), f"--tools {a.tools}: no such file"),
         *[(a.tools or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --tools") for n in TOOL_SETTINGS],
+        *[(a.teacher or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --teacher DIR") for n in DISTILL_SETTINGS],
+        (a.reward or a.teacher, "--no-reward (pure distillation) needs --teacher DIR"),
+        (a.reward or a.distill_coef > 0, "--no-reward with --distill-coef 0 leaves no advantage to train on"),
+        (a.teacher != "self" or a.teacher_prompt_key, "--teacher self needs --teacher-prompt-key: else its term is 0"),
+        (
+            not (a.teacher_prompt_key and a.tools),
+            "--teacher-prompt-key with --tools: the teacher's prompt would lack the tools' schemas; use one of them",
+        ),
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
@@ -400,6 +421,7 @@ def flag(name):
 
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 TOOL_SETTINGS = ("max_turns", "tool_timeout", "max_tool_response_length")
+DISTILL_SETTINGS = ("distill_coef", "teacher_prompt_key")
 
 
 def loggers(args):

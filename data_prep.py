@@ -39,8 +39,9 @@ class DataError(ValueError):
     """A dataset file that cannot be used, with the file, row and field at fault."""
 
 
-def _row_problems(row):
-    """What is wrong with one row, as (field, message) pairs; empty if it is usable."""
+def _row_problems(row, need_truth=True):
+    """What is wrong with one row, as (field, message) pairs; empty if it is usable. need_truth=False (pure
+    distillation, --no-reward): the row may have no reward_model.ground_truth."""
     problems = []
     if not isinstance(row.get("data_source"), str) or not row["data_source"]:
         problems.append(("data_source", f"expected a non-empty string, got {row.get('data_source')!r}"))
@@ -56,7 +57,7 @@ def _row_problems(row):
             ):
                 problems.append((f"prompt[{j}]", f"expected {{'role': str, 'content': str}}, got {msg!r:.80}"))
     reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+    if need_truth and (not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None):
         problems.append(("reward_model.ground_truth", f"missing; reward_model is {reward_model!r:.80}"))
     return problems
 
@@ -88,13 +89,13 @@ def parquet_files(path):
     return files
 
 
-def read_parquet(path):
-    """One parquet file's rows, as dicts, after checking it has verl's columns."""
+def read_parquet(path, required=REQUIRED_COLUMNS):
+    """One parquet file's rows, as dicts, after checking it has verl's columns (`required`)."""
     try:
         table = pq.read_table(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    missing = [c for c in required if c not in table.column_names]
     if missing:
         raise DataError(
             f"{path}: missing column(s) {missing}; found {table.column_names}; expected verl's schema {list(REQUIRED_COLUMNS)} + ability, extra_info"
@@ -102,7 +103,7 @@ def read_parquet(path):
     return table.to_pylist()
 
 
-def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None):
+def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, need_truth=True):
     """Read a parquet file, or a directory of parquet shards, in verl's schema into a list of row
     dicts, checking every row.
 
@@ -115,11 +116,13 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None):
     extra_info.tools_kwargs must fit (tools.kwargs_problems): its tools loaded, its arguments theirs.
     None: not checked.
     Extra columns (verl writes some for other tasks) are kept as they are.
+    need_truth=False (--no-reward): rows need no reward_model column or ground truth; a row without one gets
+    reward_model.ground_truth None.
     """
     files = parquet_files(path)
     rows, where = [], []  # where[i]: (file, row in that file) of row i, so errors name the shard
     for file in files:
-        file_rows = read_parquet(file)
+        file_rows = read_parquet(file, REQUIRED_COLUMNS if need_truth else ("data_source", "prompt"))
         rows += file_rows
         where += [(file, i) for i in range(len(file_rows))]
     if not rows:
@@ -128,7 +131,10 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None):
         import tools  # here, not at the top: this file's command line needs no tools
     good, bad = [], []
     for i, row in enumerate(rows):
-        problems = _row_problems(row)
+        problems = _row_problems(row, need_truth)
+        if not need_truth:  # the trainer's samples and scores read reward_model.ground_truth
+            given = row.get("reward_model") if isinstance(row.get("reward_model"), dict) else {"style": "none"}
+            row["reward_model"] = {"ground_truth": None, **given}
         if known_sources is not None and not problems and row["data_source"] not in known_sources:
             problems.append(("data_source", f"no built-in reward for {row['data_source']!r}"))
         if schemas is not None:
@@ -156,7 +162,7 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None):
     return good
 
 
-def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None):
+def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None, need_truth=True):
     """load_dataset, then each row's prompt rendered with the tokenizer's chat template (and the
     generation prompt; with `schemas`, the tools: tools.render_prompt) into row["prompt_ids"]. Rows
     whose prompt is longer than max_prompt_length tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
@@ -165,7 +171,8 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     From here on, each of the tokenizer's renders is bounded in time (bound_chat_template)."""
     check_chat_template(tokenizer)
     bound_chat_template(tokenizer)
-    rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [])  # [] (no --tools): no tools_kwargs
+    # schemas [] (no --tools): no tools_kwargs
+    rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [], need_truth=need_truth)
     for row in rows:
         if schemas:  # the tools' schemas without the arguments the row passes itself (verl's tools_kwargs)
             import tools
@@ -264,9 +271,14 @@ def load_data(args, tokenizer, schemas=None):
 
     known = None if args.reward_fn else BUILTIN_SOURCES  # without --reward-fn, every row needs a built-in reward
     out = []
-    for path, name in ((args.train_data, "train data"), (args.val_data, "validation data")):
-        try:
-            rows, dropped = load_prompts(path, tokenizer, known, args.max_prompt_length, schemas)
+    for path, name, truth in (
+        (args.train_data, "train data", getattr(args, "reward", True)),
+        (args.val_data, "validation data", True),
+    ):
+        try:  # --no-reward: training rows need no ground truth (nor a built-in data_source)
+            rows, dropped = load_prompts(
+                path, tokenizer, known if truth else None, args.max_prompt_length, schemas, truth
+            )
         except (DataError, ChatTemplateError) as e:  # names the file (row and field): the message is the error
             raise SystemExit(str(e)) from None
         if dropped:

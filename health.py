@@ -109,7 +109,9 @@ class Monitor:
                 "entropy_high",
                 f"actor/entropy {ent:.3g} > {b.entropy_max_late} late in training (step {step} of {self.total_steps}): the policy is not sharpening",
             )
-        if row["frac_reward_zero_std"] >= 1.0:
+        yield from distill_warnings(b, [r["distill/reverse_kl/mean"] for r in self.train if "distill/reverse_kl/mean" in r],
+                                    late=step > b.late * self.total_steps)  # fmt: skip
+        if row["frac_reward_zero_std"] >= 1.0 and "distill/adv_share" not in row:  # the teacher's term still trains
             yield (
                 "zero_adv",
                 f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn",
@@ -165,3 +167,26 @@ def train_reward_near(train_rows, step, window=10):
     """Mean training reward (critic/score/mean) over the last `window` steps up to `step`."""
     scores = [r["critic/score/mean"] for r in train_rows if step - window < r["step"] <= step]
     return float(np.mean(scores)) if scores else None
+
+
+def distill_warnings(b, kl, late, window=5):
+    """--teacher's reverse KL, distill/reverse_kl/mean at every step so far (`kl`): it should fall. A warning
+    when its mean over the last `window` steps is above b.distill_kl_rise x its lowest such mean so far, or,
+    `late` in training, not b.distill_kl_fall below its first `window` steps' mean."""
+    if len(kl) < 2 * window:
+        return
+    means = [float(np.mean(kl[i : i + window])) for i in range(len(kl) - window + 1)]
+    now, lowest, first = means[-1], min(means), means[0]
+    if lowest > 0 and now > b.distill_kl_rise * lowest:
+        yield (
+            "distill_kl_rise",
+            f"distill/reverse_kl/mean {now:.3g} (last {window} steps) is {now / lowest:.1f}x its lowest {lowest:.3g} "
+            f"(band: < {b.distill_kl_rise}x): the student is moving away from the teacher; lower --lr",
+        )
+    elif late and now > (1 - b.distill_kl_fall) * first:
+        yield (
+            "distill_kl_flat",
+            f"distill/reverse_kl/mean {now:.3g} (last {window} steps) is not {b.distill_kl_fall:.0%} below its first "
+            f"{window} steps' {first:.3g} late in training: the student is not learning from the teacher; raise "
+            "--distill-coef or --lr, or check that the teacher is better at this task",
+        )

@@ -53,11 +53,13 @@ def activation_gib_per_token(model, device, length=1024):
     return (held(length) - held(length // 2)) / (length - length // 2) / 2**30
 
 
-def check_update_memory(args, policy, trained, *, world, ranks_here, device, kv_cache_gib=None):
+def check_update_memory(args, policy, trained, *, world, ranks_here, device, kv_cache_gib=None, frozen=()):
     """Before the first rollout: does the update's largest micro-batch fit? Its activations (measured
     per token on this model, activation_gib_per_token) plus the gradients and AdamW's two
     states, against the memory this rank has free now. Printed as a warning when it does not, with
-    flags that fit: otherwise the run would die in its first update, after a whole rollout."""
+    flags that fit: otherwise the run would die in its first update, after a whole rollout. `frozen`:
+    the models that only score (the reference, distill.py's teacher; None or the policy itself count
+    nothing), loaded before this check, so the free memory is what they left: the warning says their share."""
     free = free_memory_gib(device, ranks_here)
     if free is None:
         return
@@ -81,6 +83,9 @@ def check_update_memory(args, policy, trained, *, world, ranks_here, device, kv_
         fix = f"--micro-batch-tokens {fits} --no-share-prompts (with shared prompts a group is {unit} tokens)"
     else:
         fix = "--grad-checkpointing (it keeps one layer's activations at a time)"
+    held = frozen_gib(policy, frozen)
+    if held:  # the teacher can be larger than the policy
+        fix += f". The frozen reference and teacher hold {held:.1f} GiB of this rank's memory (--offload params moves them to the CPU)"
     if kv_cache_gib:  # on CPU the engine keeps its KV cache while training
         fix += (
             f". The rollout engine's KV cache takes {kv_cache_gib:.1f} GiB of this rank's memory; "
@@ -92,3 +97,10 @@ def check_update_memory(args, policy, trained, *, world, ranks_here, device, kv_
         f"states), and this rank has {free:.1f} GiB free: the first update would likely run out of memory. "
         f"Smaller micro-batches give the same gradient: {fix}."
     )
+
+
+def frozen_gib(policy, frozen):
+    """GiB of this rank's shards of the distinct frozen models in `frozen` (not None, not the policy)."""
+    models = {id(m): m for m in frozen if m is not None and m is not policy}.values()
+    local = [p.to_local() if hasattr(p, "to_local") else p for m in models for p in m.parameters()]
+    return sum(p.numel() * p.element_size() for p in local) / 2**30

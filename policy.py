@@ -344,8 +344,15 @@ def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=F
     if lora_args:
         return shard(lora.add_adapters(policy, *lora_args), mesh, dtype, offload), None
     policy = shard(policy, mesh, dtype, offload)  # before the reference loads: with offload, the GPU holds one copy
-    frozen = load_model(path, torch.float32, device).eval().requires_grad_(False) if reference else None
-    return policy, None if frozen is None else shard(frozen, mesh, dtype, offload)
+    return policy, load_frozen(path, mesh, device, dtype, offload) if reference else None
+
+
+def load_frozen(path, mesh, device, dtype, offload=False):
+    """A frozen model that only scores (the KL reference; distill.py's teacher): eval mode, no gradients,
+    FSDP2-sharded like the policy, fp32 master weights computing in `dtype`, its shards in CPU memory with
+    offload."""
+    frozen = load_model(path, torch.float32, device).eval().requires_grad_(False)
+    return shard(frozen, mesh, dtype, offload)
 
 
 def move_optimizer_states(optimizer, device):
@@ -359,7 +366,7 @@ def move_optimizer_states(optimizer, device):
 
 def reference_logprobs(policy, reference, batch, **how):
     """compute_logprobs (with its keywords, `how`) under the KL reference: the frozen copy, or with
-    LoRA the policy's base."""
+    LoRA (reference None) the policy's base. distill.py's teacher is scored the same way."""
     if reference is not None:
         return compute_logprobs(reference, batch, **how)
     with lora.reference_mode(policy):

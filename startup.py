@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import data_prep
+import distill
 import run_dir
 from engine import stop_token_ids
 from flag_rules import reward_specs, reward_weights
@@ -70,18 +71,23 @@ def tokenizer_and_tools(args):
 
 
 def read_data(args, tokenizer, tools):
-    """(train rows, validation rows, the run's steps: --epochs over the data, at most --max-steps)."""
+    """(train rows, validation rows, the run's steps: --epochs over the data, at most --max-steps); with
+    --teacher-prompt-key, each training row's teacher prompt rendered (distill.teacher_prompts)."""
     train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
+    distill.teacher_prompts(args, tokenizer, train_rows)
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     return train_rows, val_rows, total_steps
 
 
 def reward_fn(args, scores=True):
-    """The reward: --reward-fn's functions in a worker process (reward.py), else the built-in compute_score;
-    scores=False (a trainer beside rollout ranks, which score): no worker is started."""
+    """The reward: --reward-fn's functions in a worker process (reward.py), else the built-in compute_score (with
+    --no-reward, where a row has a ground truth: distill.labelled_reward); scores=False (a trainer beside rollout
+    ranks, which score): no worker is started."""
     specs = reward_specs(args)
-    return load_reward_fns(specs, reward_weights(args), args.reward_timeout) if specs and scores else compute_score
+    if specs and scores:
+        return load_reward_fns(specs, reward_weights(args), args.reward_timeout)
+    return compute_score if args.reward else distill.labelled_reward
 
 
 def close(engine, tools, source=None, early=False):

@@ -27,6 +27,7 @@ import torch
 import bands
 import checkpoint
 import data_prep
+import distill
 import health
 import lora
 import report
@@ -58,13 +59,11 @@ from loss_agg import agg_denominator, loss_agg_for
 from memory import check_update_memory
 from model_dir import check_model_path
 from policy import (
-    compute_logprobs,
     diverged_message,
     load_policy,
     make_batch,
     micro_batches,
     move_optimizer_states,
-    reference_logprobs,
     response_logprobs,
     save_hf,
     update_may_overflow,
@@ -106,29 +105,34 @@ def check_inputs(args):
         lora.check_targets(args.model, args.lora_target_modules)
     if args.reward_model:  # its directory is checked like the policy's, before anything loads
         reward_model.check_reward_model(args.reward_model)
+    if args.teacher:  # a model directory with the student's tokenizer (distill.py)
+        distill.check_teacher(args)
 
 
 def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
-    """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the reward
-    model, the engine put to sleep, the update's memory check, AdamW and the learning-rate schedule.
-    Returns (policy, reference, reward model, optimizer, scheduler, LoRA's args, the base's fingerprint)."""
+    """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the frozen teacher
+    (--teacher, distill.load_teacher), the reward model, the engine put to sleep, the update's memory check,
+    AdamW and the learning-rate schedule. Returns (policy, the frozen models {"reference", "teacher"}, reward
+    model, optimizer, scheduler, LoRA's args, the base's fingerprint)."""
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
     how = dict(grad_checkpointing=args.grad_checkpointing, reference=args.kl_coef > 0, lora_args=lora_args)
     policy, reference = load_policy(args.model, mesh, device, dtype, offload=args.offload in ("params", "both"), **how)
+    teacher = (
+        distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
+    )
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
     if engine:
         engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
-    check_update_memory(
-        args, policy, trained, world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib
-    )
+    how = dict(world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib)
+    check_update_memory(args, policy, trained, frozen=(reference, teacher), **how)  # after they all loaded
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
-    return policy, reference, rm, optimizer, scheduler, lora_args, fingerprint
+    return policy, dict(reference=reference, teacher=teacher), rm, optimizer, scheduler, lora_args, fingerprint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +285,7 @@ def main():
            + (f", KV cache of {kv:,} tokens" if kv else ""))  # fmt: skip
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     how = dict(world=world, ranks_here=ranks_here, total_steps=total_steps)
-    policy, reference, rm, optimizer, scheduler, lora_args, fingerprint = load_trainer(args, mesh, device, dtype, engine, **how)  # fmt: skip
+    policy, frozen, rm, optimizer, scheduler, lora_args, fingerprint = load_trainer(args, mesh, device, dtype, engine, **how)  # fmt: skip
     # where each step's rollout comes from: this rank's engine, or the rollout ranks (rollout_source.py)
     source = rollout_source.make(placement, engine, dtype, args=args, train_rows=train_rows, val_rows=val_rows,
                                  tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, tools=tools,
@@ -336,13 +340,9 @@ def main():
         # ---- advantages, and the batch the update takes
         batch, advantages, mask = training_batch(ro, samples, args, pad_id, device)
 
-        # ---- old and reference log-probs (on-policy, the old ones are the current ones: not recomputed)
-        how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
-        with timed(timing, "old_log_prob"):
-            batch["old_logp"] = None if on_policy else compute_logprobs(policy, batch, device=device, **how)
-        with timed(timing, "ref"):
-            if args.kl_coef > 0:
-                batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **how)
+        # ---- old, reference and teacher log-probs; with --teacher, its term joins each token's advantage
+        how = dict(samples=samples, args=args, on_policy=on_policy, device=device, timing=timing)
+        advantages, distilled = distill.logprob_passes(batch, policy, frozen, advantages, **how)
 
         # ---- policy update: ppo_epochs x mini-batches x micro-batches
         with timed(timing, "update_actor"):
@@ -365,7 +365,7 @@ def main():
         how = dict(stats=stats, adv_values=adv_values, mask=mask, trainer_logp=trainer_logp, lr=lr, skipped=skipped)
         metrics = step_metrics(ro, engine_logp=batch["engine_logp"], timing=timing, args=args, device=device, **how)
         metrics["training/epoch"] = epoch
-        metrics.update(ro.remote_metrics)  # the rollout ranks' times, overlapped with this step's
+        metrics.update(ro.remote_metrics | distilled)  # the rollout ranks' times, overlapped; distill/*
         metrics.update(source.metrics(ro, staleness))
 
         # ---- validate, log, keep the best policy

@@ -187,6 +187,17 @@ BAD = [
     # the suite runs on CPUs: there, every offload is refused (tests/test_offload.py: with a GPU)
     (["--offload", "params"], "--offload params: it moves GPU memory to the CPU, and this machine has no CUDA GPU"),
     (["--offload", "optimizer"], "--offload optimizer: it moves GPU memory to the CPU"),
+    # on-policy distillation (distill.py)
+    (["--teacher", "t", "--distill-coef", "-1"], "--distill-coef must be >= 0"),
+    (["--distill-coef", "0.5"], "--distill-coef needs --teacher DIR"),
+    (["--teacher-prompt-key", "solution"], "--teacher-prompt-key needs --teacher DIR"),
+    (["--no-reward"], "--no-reward (pure distillation) needs --teacher DIR"),
+    (["--teacher", "t", "--no-reward", "--distill-coef", "0"], "--no-reward with --distill-coef 0 leaves no advantage"),
+    (["--teacher", "self"], "--teacher self needs --teacher-prompt-key"),
+    (
+        ["--teacher", "t", "--teacher-prompt-key", "k", "--tools", "examples/tools/calculator.py"],
+        "--teacher-prompt-key with --tools",
+    ),
 ]
 
 
@@ -211,6 +222,7 @@ FREE = {
     "verbose",
     "filter_groups",
     "mask_truncated",
+    "reward",  # its rules are BAD's --no-reward cases
 }
 
 

@@ -1,0 +1,199 @@
+"""On-policy distillation (OPD): the student samples as in GRPO, a frozen teacher scores every sampled token,
+and each of the student's tokens gets beta * (teacher log-prob - student log-prob) added to its advantage: the
+per-token reverse KL's (negative) estimate, a dense signal beside the reward's one number per answer.
+
+    --teacher DIR --distill-coef 1              OPD beside the reward (GRPO's group advantage + the teacher's term)
+    --teacher DIR --no-reward                   pure OPD: the teacher's term alone; rows need no ground truth
+    --teacher DIR --teacher-prompt-key KEY      OPSD: the teacher reads another prompt from the row (e.g. with the
+                                                worked solution), then the student's response ids exactly
+
+The teacher is loaded like the KL reference (policy.load_frozen) and scored with the reference's machinery
+(policy.reference_logprobs): the same --model directory is the reference copy (or with LoRA the base), and
+`self` is the current policy. Its tokenizer must be the student's (check_teacher, before anything loads).
+The teacher is frozen and never checkpointed: a resumed run scores with the same teacher (docs/distill.md).
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from distributed import all_sum
+from model_dir import check_model_path
+from policy import compute_logprobs, load_frozen, make_batch, reference_logprobs
+from reward import BUILTIN_SOURCES, compute_score
+from run_log import timed
+
+SELF = "self"  # --teacher self: the current policy, with the teacher's prompt (OPSD without another copy)
+
+# ----------------------------------------------------------------------------------------------
+# The math
+
+
+def teacher_advantages(teacher_logp, student_logp, mask, coef):
+    """The teacher's term of each token's advantage, [N, R] -> [N, R] fp32:
+
+        A^T_t = beta * (log pi_T(y_t | x_T, y_<t) - log pi_old(y_t | x, y_<t)) * m_t
+
+    y_t: the sampled token; x: the student's prompt, x_T the teacher's (the same prompt for OPD, the
+    privileged one for OPSD); m_t: 1 on the model's own tokens (not the tools', not padding). Its negative,
+    log pi_old - log pi_T, is the per-token sample estimate (k1) of the reverse KL(pi_old || pi_T), so
+    maximising the surrogate with this advantage pulls the student toward the teacher's modes, as the
+    anchors (Thinking Machines' post, verl, prime-rl) do. pi_old: the trainer's log-prob under the weights
+    that start this step's update (a constant in the loss), not the engine's: the teacher's log-probs come
+    from the same code and dtype, so a teacher equal to the student gives exactly 0, where the engine's
+    differ from the trainer's by bf16's rounding (up to 0.6 nats, docs/precision.md); and with
+    --max-staleness they are the current policy's, whose KL to the teacher is the one being lowered.
+    """
+    return coef * (teacher_logp.float() - student_logp.float()) * mask
+
+
+def add_teacher_term(batch, teacher_logp, student_logp, *, coef, reward, device):
+    """batch["advantages"] ([N, R]) <- the reward's advantage (0 with reward=False: --no-reward) + the
+    teacher's term (teacher_advantages). Returns the step's distill/* metrics, over every rank's tokens
+    the loss trains on: the reverse KL's per-token mean and max, the teacher's mean log-prob, and adv_share,
+    mean |teacher term| / (mean |teacher term| + mean |reward term|) (1: all from the teacher)."""
+    mask = batch["response_mask"]  # [N, R]
+    term = teacher_advantages(teacher_logp, student_logp, mask, coef)  # [N, R]
+    reward_part = batch["advantages"] if reward else torch.zeros_like(term)
+    batch["advantages"] = reward_part + term
+    on = mask.bool()
+    kl = (student_logp.float() - teacher_logp.float())[on]  # [tokens] nats
+    tokens = max(all_sum(on.sum().item(), device), 1)
+    sums = [all_sum(x, device) for x in (kl.sum().item(), teacher_logp.float()[on].sum().item())]
+    teacher_abs, reward_abs = (all_sum(x.abs()[on].sum().item(), device) for x in (term, reward_part))
+    return {
+        "distill/reverse_kl/mean": sums[0] / tokens,
+        "distill/reverse_kl/max": all_max(kl.max().item() if kl.numel() else -math.inf, device),
+        "distill/teacher_logp/mean": sums[1] / tokens,
+        "distill/adv_share": teacher_abs / max(teacher_abs + reward_abs, 1e-12),
+    }
+
+
+def all_max(x, device):
+    """The largest of a number over ranks (these metrics join the step's after they were reduced)."""
+    t = torch.tensor(float(x), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------------------------
+# One step's log-prob passes: old, reference, teacher
+
+
+def logprob_passes(batch, policy, frozen, advantages, *, samples, args, on_policy, device, timing):
+    """The passes before the update, timed under verl's names: the old log-probs (old_log_prob: on-policy
+    they are the current ones, not recomputed for the loss; the teacher's term still needs them), the
+    reference's (ref, --kl-coef) and the teacher's (teacher), whose term then joins batch["advantages"]
+    (add_teacher_term). frozen: {"reference", "teacher"} (train_grpo.load_trainer); samples: each row's
+    dataset row (OPSD's teacher prompt). Returns (the advantages to log: per token with a teacher, else
+    `advantages` as given; the distill/* metrics, {} without a teacher)."""
+    how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
+    with timed(timing, "old_log_prob"):
+        old = compute_logprobs(policy, batch, device=device, **how) if args.teacher or not on_policy else None
+        batch["old_logp"] = None if on_policy else old  # on-policy the loss uses its own, detached
+    with timed(timing, "ref"):
+        if args.kl_coef > 0:
+            batch["ref_logp"] = reference_logprobs(policy, frozen["reference"], batch, device=device, **how)
+    if not args.teacher:
+        return advantages, {}
+    with timed(timing, "teacher"):
+        scored = teacher_batch(batch, [r["teacher_prompt_ids"] for r in samples]) if args.teacher_prompt_key else batch
+        teacher_logp = reference_logprobs(policy, frozen["teacher"], scored, device=device, **how)
+    how = dict(coef=args.distill_coef, reward=args.reward, device=device)
+    metrics = add_teacher_term(batch, teacher_logp, old, **how)
+    return batch["advantages"][batch["response_mask"].bool()], metrics
+
+
+def teacher_batch(batch, teacher_prompts):
+    """OPSD: the batch the teacher scores, each row's teacher prompt ids followed by the student's response
+    ids exactly as sampled (never decoded and re-tokenized, as multi_turn.py keeps them): the same
+    response columns, so its log-probs line up with the student's [N, R]. Padding is masked out by the
+    attention mask, so its id does not matter."""
+    lens = batch["response_lens"]
+    responses = [batch["responses"][i, : lens[i]].tolist() for i in range(len(lens))]
+    return make_batch(teacher_prompts, responses, pad_id=0, group=batch.get("group", 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup: the teacher's checks, its prompts, loading it
+
+
+def check_teacher(args):
+    """Before anything loads: --teacher is a model directory (model_dir.check_model_path's message) whose
+    tokenizer is the student's, the same tokens at the same ids (the teacher scores the student's ids),
+    and whose vocabulary covers the student's. SystemExit naming the first difference."""
+    if args.teacher == SELF:
+        return
+    try:
+        check_model_path(args.teacher)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--teacher: {e}") from None
+    problem = vocabulary_difference(args.model, args.teacher)
+    if problem:
+        raise SystemExit(
+            f"--teacher {args.teacher}: {problem}. On-policy distillation scores the student's token ids with the "
+            "teacher, so both must share one tokenizer: pick a teacher of --model's family (the same tokenizer)"
+        )
+
+
+def vocabulary_difference(student, teacher):
+    """The first difference between two model directories' tokenizers (token -> id, added tokens
+    included) and their models' vocabulary sizes, as a sentence; None when the teacher can score every
+    id the student can sample. Reads the tokenizers and config.json, never the weights."""
+    from transformers import AutoTokenizer
+
+    vocabs = [AutoTokenizer.from_pretrained(p, trust_remote_code=False).get_vocab() for p in (student, teacher)]
+    by_id = [{i: t for t, i in v.items()} for v in vocabs]
+    for i in sorted(set(by_id[0]) | set(by_id[1])):
+        a, b = by_id[0].get(i), by_id[1].get(i)
+        if a != b:
+            return f"token id {i} is {a!r} in --model's tokenizer and {b!r} in the teacher's ({len(vocabs[0])} and {len(vocabs[1])} tokens)"
+    sizes = [json.load(open(os.path.join(p, "config.json"))).get("vocab_size") for p in (student, teacher)]
+    if None not in sizes and sizes[1] < sizes[0]:
+        return f"its model has {sizes[1]} vocabulary rows and --model's {sizes[0]}: it cannot score every id the student samples"
+    return None
+
+
+def teacher_prompts(args, tokenizer, rows):
+    """OPSD (--teacher-prompt-key KEY): each row's teacher prompt, row[KEY] or row["extra_info"][KEY] (chat
+    messages, or a string taken as one user message), rendered like the student's prompt into
+    row["teacher_prompt_ids"]. A row without it is a SystemExit naming the row and the key."""
+    key = args.teacher_prompt_key
+    for i, row in enumerate(rows if key else []):
+        value = row.get(key, (row.get("extra_info") or {}).get(key))
+        if isinstance(value, str):
+            value = [{"role": "user", "content": value}]
+        if not (isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value)):
+            raise SystemExit(
+                f"{args.train_data}: row {i} has no teacher prompt {key!r} (--teacher-prompt-key): expected a column "
+                f"or extra_info key {key!r} holding chat messages or a string, got {value!r:.80}"
+            )
+        row["teacher_prompt_ids"] = tokenizer.apply_chat_template(
+            value, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+
+def load_teacher(args, policy, reference, *, mesh, device, dtype):
+    """The model that scores as the teacher (for policy.reference_logprobs): `self`, the current policy; the
+    --model directory itself, the frozen initial policy, which is the reference copy when --kl-coef loaded
+    one, and with LoRA the base (None: the policy with its adapters off, no copy); any other directory, a
+    frozen FSDP2 copy in the run's dtype, loaded as the reference is (policy.load_frozen)."""
+    if args.teacher == SELF:
+        return policy
+    if os.path.realpath(args.teacher) == os.path.realpath(args.model):
+        if args.lora_rank:
+            return None
+        if reference is not None:
+            return reference
+    return load_frozen(args.teacher, mesh, device, dtype, offload=args.offload in ("params", "both"))
+
+
+def labelled_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """--no-reward's score (verl's signature), logged but never trained on: the built-in reward where a row
+    has a ground truth and a built-in data_source, else 0 (pure distillation's rows need neither)."""
+    if ground_truth is None or data_source not in BUILTIN_SOURCES:
+        return 0.0
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
