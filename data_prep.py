@@ -1,12 +1,12 @@
 """Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
-(one file, or a directory of shards). Each task's data writer and scorer live in tasks/.
+(one file, or a directory of shards; TRL's prompt-only datasets too: prompt_data.py). Each task's data
+writer and scorer live in tasks/.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (tasks/math.py)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
     python data_prep.py multiply --digits 3x2 --shots 2 --out data/products   # 347 * 58, for the calculator
-
 One row per problem, in the columns verl's own data scripts write (so their files work here too):
     data_source   str    which reward scores this row, e.g. "openai/gsm8k"
     prompt        list   chat messages, [{"role": "user", "content": ...}]
@@ -16,13 +16,12 @@ One row per problem, in the columns verl's own data scripts write (so their file
 """
 
 import argparse
-import glob
 import os
-import re
 
 import pyarrow.parquet as pq
 
 from chat_template import ChatTemplateError, bound_chat_template
+from prompt_data import DataError, is_prompt_only, load_prompt_only, parquet_files
 from tasks.common import write_parquet
 from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
@@ -33,10 +32,6 @@ from tasks.multiply import write_multiply, write_products
 # The loader: every row is checked before training starts, not when a bad one is first sampled
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
-
-
-class DataError(ValueError):
-    """A dataset file that cannot be used, with the file, row and field at fault."""
 
 
 def _row_problems(row, need_truth=True):
@@ -60,33 +55,6 @@ def _row_problems(row, need_truth=True):
     if need_truth and (not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None):
         problems.append(("reward_model.ground_truth", f"missing; reward_model is {reward_model!r:.80}"))
     return problems
-
-
-SPLIT_NAMES = ("train", "test", "validation", "val", "dev")
-
-
-def parquet_files(path):
-    """The parquet files behind `path`: the file itself, or every *.parquet in a directory, in name
-    order, as one dataset (how verl and HF datasets store shards: train-00000-of-00002.parquet, ...)."""
-    if os.path.isfile(path):
-        return [path]
-    if not os.path.isdir(path):
-        raise DataError(
-            f"{path}: no such file or directory. Make one with `python data_prep.py --help`, or pass verl's parquet."
-        )
-    files = sorted(glob.glob(os.path.join(path, "*.parquet")))
-    if not files:
-        raise DataError(
-            f"{path}: a directory with no *.parquet files in it (shards in a subdirectory, e.g. data/, need that subdirectory's path)"
-        )
-    # verl writes train.parquet and test.parquet side by side: reading the directory as one dataset
-    # would train on the test set, so a directory must hold one split's shards
-    splits = {re.split(r"[-_.]", os.path.basename(f))[0] for f in files} & set(SPLIT_NAMES)
-    if len(splits) > 1:
-        raise DataError(
-            f"{path}: holds files of several splits {sorted(splits)}; pass one file, or a directory with only one split's shards"
-        )
-    return files
 
 
 def read_parquet(path, required=REQUIRED_COLUMNS):
@@ -163,17 +131,39 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, nee
 
 
 def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None, need_truth=True):
-    """load_dataset, then each row's prompt rendered with the tokenizer's chat template (and the
-    generation prompt; with `schemas`, the tools: tools.render_prompt) into row["prompt_ids"]. Rows
-    whose prompt is longer than max_prompt_length tokens are dropped; returns (rows, how many were dropped). All of them dropped is an error, and
-    so is a tokenizer without a chat template (checked before the data is read). Prompts with
-    words the tokenizer does not know (its unk token) are counted and reported, not dropped.
+    """load_dataset (or, for TRL's prompt-only datasets, prompt_data.load_prompt_only), then each row's prompt
+    rendered with the tokenizer's chat template (and the generation prompt; with `schemas`, the tools:
+    tools.render_prompt) into row["prompt_ids"]; a text prompt (prompt-only datasets) is tokenized as it
+    stands, as TRL does. Rows whose prompt is longer than max_prompt_length tokens are dropped; returns (rows,
+    how many were dropped). All of them dropped is an error, and so is a tokenizer without a chat template
+    for chat prompts (checked before verl's data is read). Prompts with words the tokenizer does not know
+    (its unk token) are counted and reported, not dropped. A prompt-only dataset has no data_source to pick a
+    built-in reward: with `known_sources` (no --reward-fn) it is refused. need_truth=False (--no-reward):
+    verl rows need no ground truth (load_dataset).
     From here on, each of the tokenizer's renders is bounded in time (bound_chat_template)."""
-    check_chat_template(tokenizer)
+    prompt_only = is_prompt_only(path)
+    if prompt_only and known_sources is not None:
+        raise DataError(
+            f"{path}: a prompt-only dataset (TRL's: a 'prompt' column and no data_source), so no built-in reward "
+            "can score it; pass your reward functions: --reward-fn path/to/file.py:function (TRL's batched "
+            "functions work as they are), or an installed module's: --reward-fn trl.rewards:think_format_reward"
+        )
+    if prompt_only:
+        rows = load_prompt_only(path)
+        chat = not isinstance(rows[0]["prompt"], str)
+        if chat:
+            check_chat_template(tokenizer)
+        elif schemas:
+            raise DataError(f"{path}: --tools needs chat-message prompts; this dataset's prompts are text")
+    else:
+        check_chat_template(tokenizer)
     bound_chat_template(tokenizer)
-    # schemas [] (no --tools): no tools_kwargs
-    rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [], need_truth=need_truth)
+    if not prompt_only:  # schemas []: no tools_kwargs
+        rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [], need_truth=need_truth)
     for row in rows:
+        if isinstance(row["prompt"], str):  # TRL's text prompt: no chat template
+            row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"]
+            continue
         if schemas:  # the tools' schemas without the arguments the row passes itself (verl's tools_kwargs)
             import tools
 
@@ -217,8 +207,9 @@ def unknown_tokens_warning(path, rows, tokenizer):
     if not hit:
         return None
     first = rows[hit[0]]
+    messages = first["prompt"] if isinstance(first["prompt"], list) else [{"content": first["prompt"]}]  # TRL's text
     words = []
-    for message in first["prompt"]:
+    for message in messages:
         try:  # the words behind each unknown token, from a fast tokenizer's offsets
             enc = tokenizer(message["content"], add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, ValueError, TypeError):
@@ -228,7 +219,7 @@ def unknown_tokens_warning(path, rows, tokenizer):
     return (
         f"warning: {path}: {len(hit)} of {len(rows)} prompts contain the tokenizer's unknown token "
         f"{tokenizer.unk_token!r} (words its vocabulary lacks, which the model cannot read), the first is row "
-        f"{hit[0]}{unknown}: {first['prompt'][-1]['content']!r:.200}. Is {tokenizer.name_or_path!r} the "
+        f"{hit[0]}{unknown}: {messages[-1]['content']!r:.200}. Is {tokenizer.name_or_path!r} the "
         "tokenizer this data was made for?"
     )
 

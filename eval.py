@@ -136,6 +136,7 @@ def validate(
     where="validation",
     tools=None,
     tp=1,
+    step=0,
 ):
     """Sample n responses to each row's prompt (row["prompt_ids"], data_prep.load_prompts) with
     `engine`, score them, and compute verl's validation metrics over every rank's samples.
@@ -147,12 +148,15 @@ def validate(
     with errors="skip", val-aux/reward/errors counts the samples of all ranks that scored 0 for a reward error.
     With `tools` (multi_turn.ToolSetup) the samples are multi-turn conversations, and val-aux/num_turns/*
     and val-aux/tool/* describe them. tp: the ranks of a tensor-parallel group (rollout.collect_rollout)
-    generate one share together, each rank `rank` of `world` groups; one copy of each share counts."""
+    generate one share together, each rank `rank` of `world` groups; one copy of each share counts.
+    TRL-style reward functions (trl_rewards.py) see `step` as trainer_state.global_step; a prompt-only
+    dataset's rows, which have no data_source, are named prompt_data.PROMPT_ONLY_SOURCE."""
     from distributed import all_gather
     from multi_turn import turn_counts, turn_metrics
-    from reward import score_rows
+    from prompt_data import PROMPT_ONLY_SOURCE
     from rollout import VALIDATION_STEP, generate, response_texts, sampling_seeds
     from run_log import sample_records
+    from trl_rewards import score_rows
 
     per_rank = math.ceil(len(rows) / world)
     first = rank * per_rank
@@ -163,11 +167,12 @@ def validate(
     samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
     texts = response_texts(out, tokenizer, eos_ids)
     conversations = [t.conversation for t in out.turns] if tools else None
-    scores, extras = score_rows(
-        reward_fn, samples, texts, first=first * n, errors=errors, where=where, conversations=conversations
-    )
+    kw = dict(errors=errors, where=where, conversations=conversations, step=step, completion_ids=out.response_ids)
+    scores, extras = score_rows(reward_fn, samples, texts, first=first * n, **kw)
     # every rank gets every score (they are small), so every rank computes the same metrics
-    local = dict(sources=[r["data_source"] for r in samples], scores=scores, preds=extras.get("pred"))
+    local = dict(
+        sources=[r.get("data_source", PROMPT_ONLY_SOURCE) for r in samples], scores=scores, preds=extras.get("pred")
+    )
     local.update(errors=sum(extras.get("reward_error", [])), turns=turn_counts(out.turns))
     parts = all_gather(local)[::tp] if world > 1 else [local]
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
@@ -178,7 +183,7 @@ def validate(
     if tools:
         metrics.update({f"val-aux/{k}": v for k, v in turn_metrics(sum((p["turns"] for p in parts), [])).items()})
         texts = [t.shown() for t in out.turns]  # the tables show the whole conversation
-    return metrics, sample_records(tokenizer, samples[:keep], texts, scores)
+    return metrics, sample_records(tokenizer, samples[:keep], texts, scores, extras)
 
 
 # The trainer's validation, every --test-freq steps
@@ -195,7 +200,7 @@ def validate_step(step, *, engine, val_rows, tokenizer, reward_fn, eos_ids, args
     """The validation after `step` updates with the trainer's flags: (metrics, samples)."""
     engine.wake_up()
     kw = dict(n=args.val_n, temperature=args.val_temperature, max_new_tokens=args.max_response_length, seed=args.seed)
-    kw.update(errors=args.reward_errors, where=f"validation at step {step}", tools=tools)
+    kw.update(errors=args.reward_errors, where=f"validation at step {step}", tools=tools, step=step)
     tp = args.tensor_parallel_size  # a TP group's ranks generate its share together
     metrics, samples = validate(
         engine, val_rows, tokenizer, reward_fn, eos_ids, rank=rank // tp, world=world // tp, tp=tp, **kw

@@ -77,8 +77,9 @@ def reward_rules(args):
     return [
         *[
             (
-                os.path.isfile(spec.partition(":")[0]),
-                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name",
+                os.path.isfile(spec.partition(":")[0]) or module_path(spec.partition(":")[0]),
+                f"--reward-fn {spec}: no such file {spec.partition(':')[0]!r}; expected path/to/file.py:function_name "
+                "(or an installed module's module.path:function_name)",
             )
             for spec in specs
         ],
@@ -87,6 +88,12 @@ def reward_rules(args):
             f"--reward-weights {args.reward_weights}: expected one number per --reward-fn ({len(specs)} given)",
         ),
     ]
+
+
+def module_path(path):
+    """Whether a --reward-fn spec's part before ':' names an installed module (trl.rewards), not a file: dotted
+    names and no ".py". Whether it imports is checked when the reward worker loads it (reward.load_reward_fn)."""
+    return not path.endswith(".py") and all(part.isidentifier() for part in path.split("."))
 
 
 def reward_specs(args):

@@ -1,7 +1,7 @@
 """The reward interface: compute_score, the built-in reward of each shipped task (tasks/), and reward
-functions of your own, loaded from a file and run in a worker process (reward_worker.py).
-
-Every reward function has verl's signature,
+functions of your own, loaded from a file or an installed module and run in a worker process
+(reward_worker.py). TRL's batched functions, f(completions, **kwargs), have their own file: trl_rewards.py.
+verl's signature, which the rest of this file serves, is
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
@@ -11,8 +11,7 @@ works here unchanged: `--reward-fn my_reward.py:compute_score`. extra_info is th
 response's tokens when the trainer passes them (score_rows). Several reward functions combine into one
 with weighted_reward (TRL's reward_weights): score = sum_i w_i * s_i, each s_i kept as an extra key.
 What a --reward-fn function may do, and what happens when it raises, exits, hangs or returns something
-else: load_reward_fns. The built-in rewards (compute_score) run in this process; MATH's math-verify has
-its own worker (tasks/math_verify_worker.py).
+else: load_reward_fns. The built-in rewards run here; MATH's math-verify has its own worker.
 """
 
 import functools
@@ -59,24 +58,38 @@ BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE} | MATH_SOURCES
 
 
 def load_reward_fn(spec):
-    """Load a reward function from 'path/to/file.py:function_name'.
+    """Load a reward function from 'path/to/file.py:function_name', or from an installed module,
+    'module.path:function_name' (a spec with no file part, e.g. trl.rewards:think_format_reward).
 
     Without ':function_name' the function is `compute_score`, verl's default name.
     """
     path, _, name = spec.partition(":")
     name = name or "compute_score"
-    if not os.path.isfile(path):
+    if is_module_spec(spec):
+        try:
+            module = importlib.import_module(path)
+        except ImportError as e:
+            raise ImportError(f"--reward-fn {spec}: cannot import module {path!r} ({e}); is it installed?") from e
+    elif not os.path.isfile(path):
         raise FileNotFoundError(
             f"reward file {path!r} (from {spec!r}) does not exist; expected path/to/file.py:function_name"
         )
-    module_spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    else:
+        module_spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise AttributeError(f"reward file {path!r} has no function {name!r}; its functions: {found}")
     return fn
+
+
+def is_module_spec(spec):
+    """Whether a --reward-fn spec names an installed module ('trl.rewards:f': dotted names, no file part)
+    rather than a file ('path/to/file.py:f'); an existing file wins."""
+    path = spec.partition(":")[0]
+    return not os.path.isfile(path) and not path.endswith(".py") and all(p.isidentifier() for p in path.split("."))
 
 
 def real_number(value):
@@ -246,6 +259,21 @@ def score_rows(
     The row itself is never changed: a prompt's n samples share one row (the next sample must not see
     this one's tokens), and rows are reused every epoch.
     """
+    infos = sample_infos(rows, response_ids, truncated, conversations)
+    return score_responses(
+        reward_fn,
+        [r["data_source"] for r in rows],
+        texts,
+        [r["reward_model"]["ground_truth"] for r in rows],
+        infos,
+        indices=range(first, first + len(rows)),
+        errors=errors,
+        where=where,
+    )
+
+
+def sample_infos(rows, response_ids=None, truncated=None, conversations=None):
+    """Each sample's extra_info, as score_rows describes it: the row's own, or a copy with the added keys."""
     infos = [r.get("extra_info") for r in rows]
     if response_ids is not None or truncated is not None or conversations is not None:
         infos = [dict(info or {}) for info in infos]
@@ -257,16 +285,7 @@ def score_rows(
             if conversations is not None:
                 info["conversation"] = [dict(m) for m in conversations[i]]
                 info["num_turns"] = sum(m["role"] == "assistant" for m in conversations[i])
-    return score_responses(
-        reward_fn,
-        [r["data_source"] for r in rows],
-        texts,
-        [r["reward_model"]["ground_truth"] for r in rows],
-        infos,
-        indices=range(first, first + len(rows)),
-        errors=errors,
-        where=where,
-    )
+    return infos
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +337,8 @@ def reward_names(specs):
     names = []
     for spec in specs:
         path, _, function = spec.partition(":")
-        base = f"{os.path.splitext(os.path.basename(path))[0]}.{function or 'compute_score'}"
+        file = path.rpartition(".")[2] if is_module_spec(spec) else os.path.splitext(os.path.basename(path))[0]
+        base = f"{file}.{function or 'compute_score'}"
         name, k = base, 1
         while name in names:
             k += 1
@@ -372,11 +392,14 @@ class RewardWorker(Worker):
     def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
         self.specs, self.weights, self.__name__ = list(specs), weights, name
         load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
-        super().__init__("reward:load_rewards", (self.specs, weights), timeout, load_error)
+        # trl_rewards.load_rewards answers verl's functions as load_rewards below does; TRL's batched ones its way
+        super().__init__("trl_rewards:load_rewards", (self.specs, weights), timeout, load_error)
 
     def waiting_on(self, request):
-        """'reward function f (my_reward.py)', or 'reward functions f (a.py), g (b.py)' for several."""
-        names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in self.specs)]
+        """'reward function f (my_reward.py)', or 'reward functions f (a.py), g (b.py)' for several; a batched
+        request (function index, batch: trl_rewards.score_rows) names its function."""
+        specs = [self.specs[request[0]]] if len(request) == 2 and isinstance(request[1], dict) else self.specs
+        names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in specs)]
         return f"reward function{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
     def score(self, samples, stop_on_error=False):

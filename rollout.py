@@ -19,8 +19,9 @@ import reward_model
 from distributed import all_gather
 from engine import Rollout
 from memory import free_memory_gib
-from reward import overlong_penalty, response_text, score_rows
+from reward import overlong_penalty, response_text
 from run_log import timed
+from trl_rewards import score_rows
 
 
 def make_engine(kind, model_path, *, verbose=False, **kwargs):
@@ -100,14 +101,14 @@ def rollout_part(out, prompts, n):
     return Rollout(*(getattr(out, f.name)[cut] for f in dataclasses.fields(Rollout)))
 
 
-def score_samples(reward, samples, texts, out, *, first, args, device, where=""):
+def score_samples(reward, samples, texts, out, *, first, args, device, where="", step=0):
     """The rewards of one generation batch on this rank: the reward functions (which also see each
     response's token ids and whether it was cut off), plus the reward model's score (--reward-model),
     plus DAPO's overlong punishment. `reward` is (reward function, (reward model, its tokenizer) or None);
-    reward errors name the sample as "{where}, sample {first + i} of the batch" (reward.score_rows).
-    Returns (scores, extras: the logged parts, one value per sample)."""
+    reward errors name the sample as "{where}, sample {first + i} of the batch" (reward.score_rows); TRL-style
+    functions see `step` as trainer_state.global_step (trl_rewards.score_rows). Returns (scores, extras: the logged parts, one value per sample)."""
     reward_fn, rm = reward
-    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors, where=where)
+    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors, where=where, step=step)
     kw["conversations"] = [t.conversation for t in out.turns] if out.turns else None
     scores, extras = score_rows(reward_fn, samples, texts, first=first, **kw)
     if rm is not None:  # reward = rule + w x model, or w x model alone
@@ -153,7 +154,7 @@ def score_group(train_rows, index, out, *, step, place, args, tokenizer, reward,
     row, texts, n = train_rows[index], response_texts(out, tokenizer, eos_ids), args.group_size
     where = f"step {step}"
     scores, extras = score_samples(
-        reward, [row] * n, texts, out, first=place * n, args=args, device=device, where=where
+        reward, [row] * n, texts, out, first=place * n, args=args, device=device, where=where, step=step
     )
     return StepRollout([row], out.response_ids, out.logprobs, out.truncated, texts, scores, extras, {}, indices=[index])
 
@@ -213,7 +214,7 @@ def collect_rollout(
             place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
             where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
             scores, extras = score_samples(
-                reward, samples, texts, out, first=place, args=args, device=device, where=where
+                reward, samples, texts, out, first=place, args=args, device=device, where=where, step=step
             )
         if not args.filter_groups:
             return StepRollout(

@@ -58,9 +58,21 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
     metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
     for key, values in extras.items():
         numeric = [float(v) for v in values if isinstance(v, (int, float))]
-        if numeric:
+        if key.startswith(TRL_KEYS[0]) and numeric:  # TRL's rewards/<name>/mean and /std, where it applied
+            mean = sum(numeric) / len(numeric)
+            metrics[f"{key}/mean"] = mean
+            spread = sum((v - mean) ** 2 for v in numeric) / max(len(numeric) - 1, 1)  # unbiased, as TRL's nanstd
+            metrics[f"{key}/std"] = math.sqrt(spread)
+        elif key.startswith(TRL_KEYS[1]) and numeric:  # log_metric(name, value): under its own name
+            metrics[key.removeprefix(TRL_KEYS[1])] = sum(numeric) / len(numeric)
+        elif numeric and not key.startswith(TRL_KEYS):  # log_extra's columns go to the samples, not here
             metrics[f"reward_extra/{key}/mean"] = sum(numeric) / len(numeric)
     return metrics
+
+
+# The extras keys of TRL-style reward functions (trl_rewards.score_rows): rewards/<name>, log_metric/<name>,
+# log_extra/<column>
+TRL_KEYS = ("rewards/", "log_metric/", "log_extra/")
 
 
 def token_mean(values, device):
@@ -132,17 +144,24 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
     return reduce_metrics(metrics, device)
 
 
-def sample_records(tokenizer, rows, texts, scores):
-    """Readable samples, {prompt, response, ground_truth, score}, for samples/*.jsonl and the tables."""
-    return [
+def sample_records(tokenizer, rows, texts, scores, extras=None):
+    """Readable samples, {prompt, response, ground_truth, score}, for samples/*.jsonl and the tables; with the
+    reward's `extras` (one value per sample, from the first), TRL-style functions' values (rewards/<name>) and
+    the columns they gave log_extra. A prompt-only dataset's rows have no ground truth: None."""
+    records = [
         dict(
             prompt=tokenizer.decode(r["prompt_ids"]),
             response=text,
-            ground_truth=r["reward_model"]["ground_truth"],
+            ground_truth=(r.get("reward_model") or {}).get("ground_truth"),
             score=score,
         )
         for r, text, score in zip(rows, texts, scores)
     ]
+    for key, values in (extras or {}).items():
+        if key.startswith((TRL_KEYS[0], TRL_KEYS[2])):
+            for record, value in zip(records, values):
+                record[key.removeprefix(TRL_KEYS[2])] = value
+    return records
 
 
 def should_stop(history, metric, patience):
@@ -268,17 +287,17 @@ class RunLog:
         if self.rank != 0:
             return
         rows = [dict(step=step, **s) for s in samples]
+        columns = SAMPLE_COLUMNS + [c for c in (rows[0] if rows else {}) if c not in SAMPLE_COLUMNS]  # + TRL's extras
         with open(os.path.join(self.out_dir, "samples", name), mode) as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         if table and self.wandb:
             self.wandb.log(
-                {table: self.wandb.Table(columns=SAMPLE_COLUMNS, data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])},
-                step=step,
+                {table: self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step
             )
         if table and self.tensorboard is not None:
-            lines = [" | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ") for c in SAMPLE_COLUMNS) for r in rows]
+            lines = [" | ".join(str(r.get(c)).replace("|", "\\|").replace("\n", " ") for c in columns) for r in rows]
             self.tensorboard.add_text(
-                table, "\n".join([" | ".join(SAMPLE_COLUMNS), " | ".join(["---"] * 5), *lines]), step
+                table, "\n".join([" | ".join(columns), " | ".join(["---"] * len(columns)), *lines]), step
             )
 
     def close(self):

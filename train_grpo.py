@@ -379,7 +379,7 @@ def main():
             keep_best(log.history, args, policy, tokenizer, rank)
         first_group = slice(0, args.group_size)  # the first prompt's samples, for the reader
         shown = [t.shown() for t in ro.turns] if ro.turns else ro.texts  # multi-turn: the whole conversation
-        log.samples("train.jsonl", step, sample_records(tokenizer, samples[first_group], shown, ro.scores))
+        log.samples("train.jsonl", step, sample_records(tokenizer, samples[first_group], shown, ro.scores, ro.extras))
 
         # ---- checkpoint: everything needed to continue this run exactly
         stop = should_stop(log.history, args.early_stop_metric, args.early_stop_patience)

@@ -1,0 +1,230 @@
+"""trl_rewards.py: TRL-style batched reward functions, found by their parameters, called TRL's way in the
+reward worker: one call per function and batch, None = "does not apply", errors named as verl's are."""
+
+import math
+import textwrap
+
+import pytest
+
+import flag_rules
+import trl_rewards
+from reward import load_reward_fn, load_reward_fns
+from run_log import rollout_metrics, sample_records
+from trl_rewards import is_batched, score_rows
+from user_errors import RewardError
+
+REWARDS = textwrap.dedent(
+    """
+    import asyncio, time
+
+    def accuracy_reward(completions, solution, **kwargs):
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        kwargs["log_extra"]("golden", list(solution))
+        kwargs["log_metric"]("my/answers", float(len(texts)))
+        return [1.0 if s in t else 0.0 for t, s in zip(texts, solution)]
+
+    def seen(prompts, completions, completion_ids, trainer_state, solution, level, **kwargs):
+        assert trainer_state.global_step == 7, trainer_state
+        assert all(isinstance(i, int) for ids in completion_ids for i in ids), completion_ids
+        return [float(len(ids)) for ids in completion_ids]
+
+    def only_hard(completions, level, **kwargs):
+        return [1.0 if lv == "hard" else None for lv in level]
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    def raises(completions, **kwargs):
+        raise KeyError("solution")
+
+    def hangs(completions, **kwargs):
+        time.sleep(60)
+
+    def too_short(completions, **kwargs):
+        return [1.0]
+
+    def text_score(completions, **kwargs):
+        return ["1.0"] + [0.0] * (len(completions) - 1)
+
+    async def judge(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5 for _ in completions]
+
+    class Length:
+        __name__ = "length_score"
+
+        def __call__(self, completion_ids, **kwargs):
+            return [float(len(ids)) for ids in completion_ids]
+
+    length_score = Length()
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return 2.0
+    """
+)
+
+TEXT_ROWS = [
+    {"prompt": "Q: 1+1? A:", "solution": "2", "level": "easy", "prompt_ids": [1, 2]},
+    {"prompt": "Q: 2+3? A:", "solution": "5", "level": "hard", "prompt_ids": [1, 3]},
+]
+CHAT_ROWS = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in TEXT_ROWS]
+TEXTS = ["it is 2", "it is 6"]
+IDS = [[5, 6, 7], [8, 9]]
+
+
+@pytest.fixture(scope="module")
+def rewards_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "my_rewards.py"
+    path.write_text(REWARDS)
+    return str(path)
+
+
+def worker(rewards_file, *names, weights=None, timeout=30.0):
+    return load_reward_fns([f"{rewards_file}:{n}" for n in names], weights, timeout)
+
+
+def test_each_kind_is_found_by_its_parameters(rewards_file):
+    kinds = {n: is_batched(load_reward_fn(f"{rewards_file}:{n}")) for n in ("accuracy_reward", "judge", "length_score")}
+    assert kinds == {"accuracy_reward": True, "judge": True, "length_score": True}
+    assert not is_batched(load_reward_fn(f"{rewards_file}:compute_score"))
+    assert not is_batched(lambda **kwargs: 0.0)  # verl calls it by keyword, as before
+
+
+def test_a_text_prompt_gets_text_completions_columns_logs_and_trainer_state(rewards_file):
+    fn = worker(rewards_file, "accuracy_reward", "seen")
+    try:
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, step=7, where="step 7")
+    finally:
+        fn.close()
+    assert scores == [1.0 + 3.0, 0.0 + 2.0]
+    assert extras["rewards/accuracy_reward"] == [1.0, 0.0] and extras["rewards/seen"] == [3.0, 2.0]
+    assert extras["log_extra/golden"] == ["2", "5"] and extras["log_metric/my/answers"] == [2.0, 2.0]
+    metrics = rollout_metrics(scores, __import__("torch").zeros(2), [3, 2], [2, 2], [False] * 2, extras, 2)
+    assert metrics["rewards/accuracy_reward/mean"] == 0.5
+    assert math.isclose(metrics["rewards/accuracy_reward/std"], math.sqrt(0.5))  # unbiased, as TRL's nanstd
+    assert metrics["my/answers"] == 2.0 and metrics["reward_extra/reward_unscored/mean"] == 0.0
+    assert not any(k.startswith("reward_extra/log_extra") for k in metrics)
+
+    class Tok:
+        def decode(self, ids):
+            return str(ids)
+
+    records = sample_records(Tok(), TEXT_ROWS, TEXTS, scores, extras)
+    assert records[1]["golden"] == "5" and records[1]["rewards/accuracy_reward"] == 0.0
+    assert records[0]["ground_truth"] is None  # a prompt-only row has none
+
+
+def test_a_chat_prompt_gets_assistant_messages(rewards_file):
+    fn = worker(rewards_file, "accuracy_reward")
+    try:
+        scores, _ = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+    finally:
+        fn.close()
+    assert scores == [1.0, 0.0]  # accuracy_reward read c[0]["content"]: a str completion would fail there
+
+
+def test_none_leaves_a_function_out_of_the_weighted_sum_and_all_none_is_a_counted_skip(rewards_file, capsys):
+    fn = worker(rewards_file, "only_hard", "length_score", "never", weights=[2.0, 0.5, 3.0])
+    try:
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)
+    finally:
+        fn.close()
+    assert scores == [0.5 * 3, 2.0 * 1.0 + 0.5 * 2]
+    assert extras["rewards/only_hard"] == [None, 1.0] and extras["rewards/never"] == [None, None]
+    fn = worker(rewards_file, "only_hard", "never")
+    try:
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 2")
+    finally:
+        fn.close()
+    assert scores == [0.0, 1.0] and extras["reward_unscored"] == [1.0, 0.0]
+    err = capsys.readouterr().err
+    assert "1 of 2 samples at step 2 got None from every reward function (only_hard, never)" in err
+    assert "step 2, sample 0 of the batch" in err
+
+
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("raises", "reward function raises, step 3, samples 4-5 of the batch: raised KeyError: 'solution'"),
+        (
+            "too_short",
+            "reward function too_short, step 3, samples 4-5 of the batch: returned 1 rewards for 2 completions",
+        ),
+        ("text_score", "reward function text_score, step 3, sample 4 of the batch: returned '1.0' (a str) for it"),
+    ],
+)
+def test_a_failing_function_stops_the_run_naming_it_or_is_skipped_and_counted(rewards_file, name, said, capsys):
+    fn = worker(rewards_file, "length_score", name)
+    try:
+        with pytest.raises(RewardError) as e:
+            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3")
+        assert said in str(e.value) and "--reward-errors skip" in str(e.value)
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3", errors="skip")
+    finally:
+        fn.close()
+    wrong = [1.0, 0.0] if name == "text_score" else [1.0, 1.0]
+    assert extras["reward_error"] == wrong
+    assert scores == [0.0 if w else 2.0 for w in wrong]
+    assert said in capsys.readouterr().err
+
+
+def test_a_hanging_function_times_out_naming_it(rewards_file):
+    fn = worker(rewards_file, "length_score", "hangs", timeout=1.0)
+    try:
+        with pytest.raises(
+            RewardError, match=r"reward function hangs, step 1, samples 0-1 of the batch: did not return within 1 s"
+        ):
+            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 1")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, errors="skip")
+    finally:
+        fn.close()
+    assert scores == [0.0, 0.0] and extras["reward_error"] == [1.0, 1.0]
+
+
+def test_async_functions_and_callable_instances(rewards_file):
+    fn = worker(rewards_file, "judge", "length_score")
+    try:
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+    finally:
+        fn.close()
+    assert scores == [3.5, 2.5] and extras["rewards/judge"] == [0.5, 0.5]
+    assert extras["rewards/length_score"] == [3.0, 2.0]
+
+
+def test_verl_functions_beside_trl_ones_and_alone(rewards_file):
+    fn = worker(rewards_file, "compute_score", "judge", weights=[1.0, 2.0])
+    try:
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+    finally:
+        fn.close()
+    assert scores == [3.0, 3.0] and extras["rewards/compute_score"] == [2.0, 2.0]
+    fn = worker(rewards_file, "compute_score")
+    try:
+        assert fn.info is None  # verl's worker, as before
+        with pytest.raises(RewardError, match="this is a prompt-only dataset .* write it TRL's way"):
+            score_rows(fn, CHAT_ROWS, TEXTS)
+    finally:
+        fn.close()
+
+
+def test_an_installed_module_is_a_reward_spec(tmp_path, monkeypatch):
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "rewards.py").write_text(
+        "def think(completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker process imports it too
+    args = type("A", (), {"reward_fn": "mypkg.rewards:think", "reward_weights": ""})()
+    assert all(ok for ok, _ in flag_rules.reward_rules(args))
+    args.reward_fn = "no/such.py:f"
+    assert not all(ok for ok, _ in flag_rules.reward_rules(args))
+    fn = load_reward_fns(["mypkg.rewards:think"])
+    try:
+        assert score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)[0] == [1.0, 1.0]
+        assert fn.info["names"] == ["think"]
+    finally:
+        fn.close()
+    with pytest.raises(ImportError, match="cannot import module 'mypkg.nothing'"):
+        load_reward_fn("mypkg.nothing:f")
+    assert trl_rewards.function_names([len, len, abs]) == ["len", "len_2", "abs"]
