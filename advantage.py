@@ -66,7 +66,7 @@ ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
 
 
 def compute_advantages(
-    scores, group_size, estimator="grpo", norm_by_std=True, response_mask=None, eps=1e-6, total=None
+    scores, group_size, estimator="grpo", norm_by_std=True, response_mask=None, eps=1e-6, total=None, unscored=None
 ):
     """Advantages from per-sample scores [B*n] by one of verl's outcome estimators (ADV_ESTIMATORS).
 
@@ -79,7 +79,11 @@ def compute_advantages(
     REINFORCE++-baseline already returns per-token advantages [B*n, T], masked, because its whitening
     is over tokens. As in verl, only grpo and grpo_passk read `norm_by_std` and `eps` (verl's
     norm_adv_by_std_in_grpo and epsilon); the other two ignore them. `total`: see masked_whiten.
+    `unscored` [B*n] bools: samples no reward function applied to (left_out_of_groups).
     """
+    if unscored is not None and any(unscored):
+        how = dict(norm_by_std=norm_by_std, response_mask=response_mask, eps=eps, total=total)
+        return left_out_of_groups(scores, unscored, group_size, estimator, **how)
     if estimator == "grpo":
         return grpo_advantages(scores, group_size, norm_by_std=norm_by_std, eps=eps)
     if estimator == "rloo":
@@ -89,6 +93,29 @@ def compute_advantages(
     if estimator == "grpo_passk":
         return grpo_passk_advantages(scores, group_size, norm_by_std=norm_by_std, eps=eps)
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ADV_ESTIMATORS)}")
+
+
+def left_out_of_groups(scores, unscored, group_size, estimator, **how):
+    """TRL's rule for a sample that no reward function applies to (each returned None): it is left out of
+    its group's baseline and spread, and its advantage is 0. grpo, rloo and grpo_passk compute each such
+    group over its scored samples alone (a group of k); reinforce_plus_plus_baseline, whose whitening spans
+    the batch, sees them at their group's scored mean (no deviation), then 0."""
+    groups = torch.as_tensor(scores, dtype=torch.float32).view(-1, group_size)  # [B, n]
+    out = torch.as_tensor([bool(u) for u in unscored]).view(-1, group_size)  # [B, n]
+    filled = groups.clone()
+    for g in range(len(groups)):
+        kept = ~out[g]
+        filled[g, out[g]] = groups[g, kept].mean() if kept.any() else 0.0
+    adv = compute_advantages(filled.view(-1), group_size, estimator, **how)  # [B*n] or [B*n, T]
+    if estimator != "reinforce_plus_plus_baseline":
+        per_group = adv.view(-1, group_size)
+        for g in range(len(groups)):
+            kept = ~out[g]
+            if out[g].any() and kept.any():
+                how_g = dict(norm_by_std=how["norm_by_std"], eps=how["eps"])
+                per_group[g, kept] = compute_advantages(groups[g, kept], int(kept.sum()), estimator, **how_g)
+    adv[out.view(-1)] = 0.0
+    return adv
 
 
 def _groups(scores, group_size):

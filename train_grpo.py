@@ -204,6 +204,7 @@ def training_batch(ro, samples, args, pad_id, device):
         norm_by_std=args.norm_adv_by_std,
         response_mask=mask,
         total=partial(all_sum_tensor, device=device),
+        unscored=ro.extras.get("reward_unscored"),  # TRL's functions all returned None: left out (advantage.py)
     )
     batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
     if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them

@@ -8,7 +8,8 @@ completion_ids, trainer_state (.global_step), log_extra(column, values), log_met
 dataset column as keyword lists. It runs in the reward worker (reward_worker.py), one request per function
 and batch, under the same --reward-timeout and --reward-errors rules as verl's. None means "does not apply":
 a sample's score is sum_i w_i * s_i over the functions that returned a number (TRL's nansum); a sample no
-function applies to scores 0, is counted (reward_extra/reward_unscored/mean) and named on stderr. Each
+function applies to is counted (reward_extra/reward_unscored/mean), named on stderr, logged as 0 and, as in
+TRL, left out of its group's advantages (advantage.left_out_of_groups). Each
 function's values are logged as TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl.
 score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged."""
 
@@ -232,7 +233,8 @@ def combine(replies, info, n, *, first, errors, where):
         j = unscored.index(1.0)
         print(
             f"reward: {int(sum(unscored))} of {n} samples{' at ' + where if where else ''} got None from every reward "
-            f"function ({', '.join(names)}): scored 0 and counted in reward_extra/reward_unscored/mean; the first is "
+            f"function ({', '.join(names)}): left out of their groups' advantages (advantage 0), counted in "
+            f"reward_extra/reward_unscored/mean; the first is "
             f"{reward.sample_place(where, first + j)}",
             file=sys.stderr,
         )

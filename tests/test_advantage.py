@@ -243,3 +243,27 @@ def test_all_equal_groups_get_exactly_zero_whatever_the_value(value, estimator, 
         [value] * 16, 8, estimator, norm_by_std, mask
     )  # a whole batch with nothing to learn
     assert torch.count_nonzero(only_equal) == 0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "grpo_passk"])
+def test_a_sample_no_reward_function_applies_to_is_left_out_of_its_group(estimator):
+    """TRL's rule for a sample every function returned None for: its group's advantages are those of the
+    scored samples alone, and its own is 0. Groups without one are untouched."""
+    scores = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 0.25]  # two groups of 4; sample 1 unscored (logged as 0)
+    unscored = [False, True, False, False, False, False, False, False]
+    adv = compute_advantages(scores, 4, estimator, unscored=unscored)
+    kept = compute_advantages([1.0, 0.0, 1.0], 3, estimator)
+    torch.testing.assert_close(adv[[0, 2, 3]], kept)
+    assert adv[1] == 0.0
+    torch.testing.assert_close(adv[4:], compute_advantages(scores[4:], 4, estimator))
+    # a group with nothing scored has nothing to learn from
+    none = compute_advantages([0.0, 0.0, 1.0, 0.0], 2, estimator, unscored=[True, True, False, False])
+    assert none[:2].tolist() == [0.0, 0.0]
+
+
+def test_reinforce_pp_sees_an_unscored_sample_at_its_groups_mean_then_zero():
+    scores, mask = [1.0, 0.0, 0.0, 1.0], torch.ones(4, 3)
+    adv = compute_advantages(scores, 4, "reinforce_plus_plus_baseline", response_mask=mask, unscored=[0, 1, 0, 0])
+    filled = compute_advantages([1.0, 2 / 3, 0.0, 1.0], 4, "reinforce_plus_plus_baseline", response_mask=mask)
+    assert adv[1].abs().sum() == 0.0
+    torch.testing.assert_close(adv[[0, 2, 3]], filled[[0, 2, 3]])
