@@ -243,3 +243,18 @@ def test_lora_with_its_base_as_the_teacher_and_opsd_with_a_teacher_prompt(tmp_pa
     assert rows[2]["distill/reverse_kl/mean"] != 0.0 and rows[2]["actor/kl_loss"] > 0
     train(tmp_path / "opsd", *flags, "--teacher", str(tmp_path / "opsd" / "tiny_model"), "--teacher-prompt-key", "hint")
     assert all(r["distill/reverse_kl/mean"] != 0.0 for r in metrics(tmp_path / "opsd")[1:])
+
+
+@pytest.mark.slow
+def test_the_teacher_lives_with_the_trainers_one_step_off_policy_and_beside_a_rollout_rank(teacher, tmp_path):
+    """--max-staleness 1: the colocated run and a trainer beside a rollout rank (2 ranks, --rollout-ranks 1)
+    train on the same samples, so the teacher, on the trainer, scores the same tokens and the updates agree."""
+    flags = [*RUN, "--max-steps", "3", "--max-staleness", "1", "--teacher", teacher]
+    train(tmp_path / "colocated", *flags)
+    train(tmp_path / "rollout_rank", *flags, "--rollout-ranks", "1", ranks=2)
+    one, two = metrics(tmp_path / "colocated"), metrics(tmp_path / "rollout_rank")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2, 3]
+    for a, b in zip(one[1:], two[1:]):
+        assert a["distill/reverse_kl/mean"] > 0
+        for key in [*COMPARED, "distill/teacher_logp/mean"]:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
