@@ -1,4 +1,4 @@
-"""A TRL user's GRPO inputs, unchanged, through train_grpo.py on 2 ranks: a prompt-only dataset and batched
+"""A TRL user's GRPO inputs, unchanged, through train_grpo.py on 1 and 2 ranks: a prompt-only dataset and batched
 reward functions written TRL's way. The demo's tiny model on the digits task, and the real SmolLM2 on a
 TRL-format GSM8K, killed with SIGKILL and resumed to exactly the run that would have happened."""
 
@@ -65,7 +65,8 @@ def trl_digits(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trl_dataset_and_trl_reward_functions_train_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_trl_dataset_and_trl_reward_functions_train_on_one_and_two_ranks(tmp_path, ranks):
     train, val = trl_digits(tmp_path)
     rewards = tmp_path / "my_rewards.py"
     rewards.write_text(REWARDS)
@@ -73,7 +74,7 @@ def test_a_trl_dataset_and_trl_reward_functions_train_on_two_ranks(tmp_path):
     spec = f"{rewards}:accuracy_reward,{rewards}:short_reward"
     flags = ["--out-dir", str(out), "--train-data", train, "--val-data", val, "--reward-fn", spec]
     flags += "--reward-weights 1,0.5 --rollout hf --max-steps 2 --prompt-batch-size 8 --mini-batch-size 8".split()
-    run_script(*flags, *"--group-size 4 --test-freq 2 --val-max-prompts 8 --save-freq -1".split(), ranks=2)
+    run_script(*flags, *"--group-size 4 --test-freq 2 --val-max-prompts 8 --save-freq -1".split(), ranks=ranks)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
