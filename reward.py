@@ -338,7 +338,14 @@ def reward_names(specs):
     for spec in specs:
         path, _, function = spec.partition(":")
         file = path.rpartition(".")[2] if is_module_spec(spec) else os.path.splitext(os.path.basename(path))[0]
-        base = f"{file}.{function or 'compute_score'}"
+        names.append(f"{file}.{function or 'compute_score'}")
+    return unique_names(names)
+
+
+def unique_names(bases):
+    """Each name as it is, a repeat as name_2, name_3, ...: one logged key per reward function."""
+    names = []
+    for base in bases:
         name, k = base, 1
         while name in names:
             k += 1

@@ -40,16 +40,8 @@ def is_batched(fn):
 def function_names(fns):
     """TRL's name for each function (rewards/<name>/mean): its __name__, a callable instance's class name, a
     partial's function's; repeats get _2, _3, ..."""
-    names = []
-    for fn in fns:
-        base = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None)
-        base = base or type(fn).__name__
-        name, k = base, 1
-        while name in names:
-            k += 1
-            name = f"{base}_{k}"
-        names.append(name)
-    return names
+    bases = [getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) for fn in fns]
+    return reward.unique_names([base or type(fn).__name__ for base, fn in zip(bases, fns)])
 
 
 # ----------------------------------------------------------------------------------------------
