@@ -156,7 +156,7 @@ def validate(
     from prompt_data import PROMPT_ONLY_SOURCE
     from rollout import VALIDATION_STEP, generate, response_texts, sampling_seeds
     from run_log import sample_records
-    from trl_rewards import score_rows
+    from trl_rewards import function_metrics, score_rows
 
     per_rank = math.ceil(len(rows) / world)
     first = rank * per_rank
@@ -174,10 +174,12 @@ def validate(
         sources=[r.get("data_source", PROMPT_ONLY_SOURCE) for r in samples], scores=scores, preds=extras.get("pred")
     )
     local.update(errors=sum(extras.get("reward_error", [])), turns=turn_counts(out.turns))
+    local["rewards"] = {k: v for k, v in extras.items() if k.startswith("rewards/")}  # TRL-style functions' values
     parts = all_gather(local)[::tp] if world > 1 else [local]
     preds = None if any(p["preds"] is None for p in parts) else sum((p["preds"] for p in parts), [])
     sources, all_scores = sum((p["sources"] for p in parts), []), sum((p["scores"] for p in parts), [])
     metrics = validation_metrics(sources, all_scores, n, preds, seed=seed)
+    metrics.update(function_metrics([p["rewards"] for p in parts], prefix="val-aux/"))  # training's rewards/*
     if errors == "skip":
         metrics["val-aux/reward/errors"] = sum(p["errors"] for p in parts)
     if tools:
@@ -368,6 +370,7 @@ def main(argv=None):
     from policy import compute_dtype
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import make_engine
+    from trl_rewards import check_data
 
     distributed = "RANK" in os.environ
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it
@@ -400,6 +403,11 @@ def main(argv=None):
         raise SystemExit(str(err)) from None
     if args.max_prompts > 0:
         rows = rows[: args.max_prompts]
+    try:  # before the engine loads: reward functions that cannot load, or cannot score these rows, say so now
+        reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
+        check_data(reward_fn, rows, args.data)  # a RewardError
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
     max_len = max(len(r["prompt_ids"]) for r in rows) + args.max_new_tokens
     limit, source = context_length(args.model)  # a local directory's, by vLLM's rule
     if limit is None and not os.path.isdir(args.model):  # a hub id: its downloaded config's
@@ -425,7 +433,6 @@ def main(argv=None):
         sequences=math.ceil(len(rows) / world) * args.n,  # vLLM's KV cache on CPU: this rank's sequences
         memory_gib=free_memory_gib(torch.device("cpu"), ranks_here),  # and its free memory
     )
-    reward_fn = load_reward_fns(reward_specs(args), reward_weights(args)) if args.reward_fn else compute_score
     metrics, _ = validate(
         engine,
         rows,

@@ -40,6 +40,9 @@ if [ "$dev" = yes ]; then
   $python -m pip install --no-deps --upgrade --target .verl_ref \
     verl==0.9.1 omegaconf==2.3.0 tensordict==0.10.0 codetiming==1.4.0 pyvers==0.1.0 orjson==3.11.3
   $python -m pip install --no-deps --upgrade --target .verl_ref/antlr4_49 antlr4-python3-runtime==4.9.3
+  # TRL 1.16.0's code, for tests/test_trl_rewards.py, which runs trl.rewards' functions through our reward worker.
+  # Not a dependency, and none of TRL's are installed: trl.rewards needs only math-verify (pinned) and packaging.
+  $python -m pip install --no-deps --upgrade --target .trl_ref trl==1.16.0
 fi
 
 if [ "$GRPO_MACHINE" = cpu ]; then

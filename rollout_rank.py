@@ -22,7 +22,7 @@ def run(args, placement, rank, world, device):
     args = placement.bridge.recv(0, rollout_ranks.START, "the run's flags")  # the demo's paths, the dtype
     tokenizer, _, eos_ids, tools = startup.tokenizer_and_tools(args)
     train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
-    reward_fn = startup.reward_fn(args)
+    reward_fn = startup.reward_fn(args, train_rows, val_rows)
     engine = start_engine(args, world, here, device, dtype)  # first: it sets the process's thread count
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None

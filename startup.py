@@ -18,6 +18,8 @@ from flag_rules import reward_specs, reward_weights
 from multi_turn import start_tools
 from policy import compute_dtype
 from reward import compute_score, load_reward_fns
+from trl_rewards import check_data
+from user_errors import RewardError
 
 
 def quiet(args):
@@ -80,13 +82,21 @@ def read_data(args, tokenizer, tools):
     return train_rows, val_rows, total_steps
 
 
-def reward_fn(args, scores=True):
+def reward_fn(args, train_rows=(), val_rows=(), scores=True):
     """The reward: --reward-fn's functions in a worker process (reward.py), else the built-in compute_score (with
     --no-reward, where a row has a ground truth: distill.labelled_reward); scores=False (a trainer beside rollout
-    ranks, which score): no worker is started."""
+    ranks, which score): no worker is started. The functions are checked against both datasets now, before the
+    engine and the model load (trl_rewards.check_data)."""
     specs = reward_specs(args)
     if specs and scores:
-        return load_reward_fns(specs, reward_weights(args), args.reward_timeout)
+        fn = load_reward_fns(specs, reward_weights(args), args.reward_timeout)
+        try:
+            check_data(fn, train_rows, args.train_data)
+            check_data(fn, val_rows, args.val_data)
+        except RewardError as e:
+            fn.close()
+            raise SystemExit(str(e)) from None
+        return fn
     return compute_score if args.reward else distill.labelled_reward
 
 

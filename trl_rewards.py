@@ -11,20 +11,23 @@ a sample's score is sum_i w_i * s_i over the functions that returned a number (T
 function applies to is counted (reward_extra/reward_unscored/mean), named on stderr, logged as 0 and, as in
 TRL, left out of its group's advantages (advantage.left_out_of_groups). Each
 function's values are logged as TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl.
-score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged."""
+score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged.
+check_data, at start-up, names a function the dataset cannot feed: a column it needs, verl's on prompt-only rows."""
 
 import asyncio
 import functools
 import inspect
+import math
 import sys
 import types
 
 import reward
-from prompt_data import PROMPT_ONLY_SOURCE
+from prompt_data import PROMPT_ONLY_SOURCE, VERL_COLUMNS
 from user_errors import RewardError, describe, safe_repr
 
 BATCH_ARGUMENTS = ("completions", "completion_ids", "prompts")  # any of them, and no solution_str: TRL's kind
 NOT_COLUMNS = ("prompt", "prompt_ids")  # a row's keys that are not passed as columns (prompt_ids: data_prep's)
+PASSED = BATCH_ARGUMENTS + ("trainer_state", "log_extra", "log_metric")  # what every call gets beside the columns
 
 
 def is_batched(fn):
@@ -38,10 +41,76 @@ def is_batched(fn):
 
 
 def function_names(fns):
-    """TRL's name for each function (rewards/<name>/mean): its __name__, a callable instance's class name, a
-    partial's function's; repeats get _2, _3, ..."""
-    bases = [getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) for fn in fns]
-    return reward.unique_names([base or type(fn).__name__ for base, fn in zip(bases, fns)])
+    """TRL's name for each function (rewards/<name>/mean), as its get_callable_name gives it: a partial's (nested
+    or not) function's __name__, a function's, a callable instance's (its class's __name__ attribute, else the
+    class name); repeats get _2, _3, ..."""
+    bases = []
+    for fn in fns:
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        bases.append(getattr(fn, "__name__", None) or type(fn).__name__)
+    return reward.unique_names(bases)
+
+
+def arguments(fn):
+    """(needs, takes) of a TRL-style function called by keyword: the parameters it has no default for, and
+    every parameter it accepts (None: it has **kwargs, and accepts anything). The signature Python checks at the
+    call, not the __wrapped__ one: update_wrapper(partial(f, x=1), f) (open-r1's code_reward) names x as f's."""
+    params = inspect.signature(fn, follow_wrapped=False).parameters.values()
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    needs = [p.name for p in named if p.default is p.empty]
+    takes = None if any(p.kind == p.VAR_KEYWORD for p in params) else [p.name for p in named]
+    return needs, takes
+
+
+def argument_problem(needs, takes, columns, data):
+    """What is wrong with calling a function of arguments() (needs, takes) with PASSED and `columns` (the
+    dataset's, named `data` in the message), or None: a needed argument that is neither, or one it does not
+    take (TRL passes every column: a function without **kwargs fails on the first one it does not name)."""
+    missing = [a for a in needs if a not in PASSED and a not in columns]
+    if missing:
+        return (
+            f"needs the keyword argument(s) {missing}, which {data} has no column for (its columns: "
+            f"{sorted(columns)}; TRL's arguments: {list(PASSED)}). Add the column, or give the parameter a default"
+        )
+    extra = [a for a in (*PASSED, *sorted(columns)) if takes is not None and a not in takes]
+    if extra:
+        return (
+            f"has no **kwargs, and is called with {extra} too, as TRL calls it (every column of the dataset and "
+            "all of TRL's arguments): add **kwargs to its parameters"
+        )
+    return None
+
+
+def verl_on_prompt_only(what, columns, data):
+    """The message for verl-signature functions (`what`) on prompt-only rows, which have nothing to pass them."""
+    return (
+        f"{what} verl's signature (data_source, solution_str, ground_truth, extra_info), and {data} is a "
+        f"prompt-only dataset (no data_source and no reward_model column; its columns: {sorted(columns)}), so "
+        "there is no ground_truth to pass: write it TRL's way, f(completions, **kwargs) -> list[float | None], "
+        "which gets every column of the dataset as a keyword list (solution=[...])"
+    )
+
+
+def check_data(reward_fn, rows, data):
+    """At start-up, before the engine and the model load: whether --reward-fn's functions (a RewardWorker) can
+    score `rows`, the dataset `data` (its path). RewardError naming the spec (file and function) and what is
+    missing: verl-signature functions alone on a prompt-only dataset, or a TRL-style function's argument_problem.
+    Other reward functions (the built-in compute_score) are checked by data_prep.load_prompts."""
+    if not isinstance(reward_fn, reward.RewardWorker) or not rows:
+        return
+    info = reward_fn.info
+    columns = sorted({k for r in rows for k in r if k not in NOT_COLUMNS})
+    if not info:  # verl's functions alone: reward.score_rows reads data_source and reward_model
+        if not all(c in rows[0] for c in VERL_COLUMNS):
+            specs = ", ".join(reward_fn.specs)
+            what = f"{specs}: {'this function has' if len(reward_fn.specs) == 1 else 'these functions have'}"
+            raise RewardError(f"--reward-fn {verl_on_prompt_only(what, columns, data)}")
+        return
+    for spec, kind, needs_takes in zip(reward_fn.specs, info["kinds"], info["arguments"]):
+        problem = argument_problem(*needs_takes, columns, data) if kind == "trl" else None
+        if problem:
+            raise RewardError(f"--reward-fn {spec}: this function {problem}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,6 +123,9 @@ def load_rewards(setup):
     specs, weights = setup
     fns = [reward.load_reward_fn(s) for s in specs]
     kinds = ["trl" if is_batched(fn) else "verl" for fn in fns]
+    for spec, fn, kind in zip(specs, fns, kinds):
+        if kind == "verl":
+            check_verl_arguments(spec, fn)
     if "trl" not in kinds:  # what reward.load_reward_fns_in_process makes, from the functions loaded once
         one = (
             fns[0]
@@ -64,7 +136,8 @@ def load_rewards(setup):
     weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(fns):
         raise ValueError(f"{len(weights)} reward weights for {len(fns)} reward functions; give one per --reward-fn")
-    info = dict(names=function_names(fns), kinds=kinds, weights=weights)
+    arguments_of = [arguments(fn) if kind == "trl" else None for fn, kind in zip(fns, kinds)]
+    info = dict(names=function_names(fns), kinds=kinds, weights=weights, arguments=arguments_of)
     return functools.partial(answer_batch, fns, kinds), info
 
 
@@ -89,6 +162,9 @@ def answer_batch(fns, kinds, request):
     kwargs.update(trainer_state=types.SimpleNamespace(**batch["trainer_state"]))
     kwargs.update(log_extra=functools.partial(log_into, logged["extra"]))
     kwargs.update(log_metric=functools.partial(log_into, logged["metric"]))
+    problem = argument_problem(*arguments(fn), batch["columns"], "this batch's rows")
+    if problem:  # said before the call: Python's TypeError names neither the column nor the fix
+        return None, problem
     try:
         out = fn(**kwargs)
         if inspect.isawaitable(out):  # an async def function, or an instance whose __call__ is one
@@ -112,6 +188,26 @@ def answer_batch(fns, kinds, request):
             )
         values.append(None if number is None else float(number))
     return (values, problems, logged), None
+
+
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # reward.score_one passes them
+
+
+def check_verl_arguments(spec, fn):
+    """ValueError, at load, for a function of neither kind: one that needs an argument verl's call does not pass.
+    The usual one is a factory given itself, --reward-fn trl.rewards:get_soft_overlong_punishment, not what it
+    makes."""
+    try:
+        needs = arguments(fn)[0]
+    except (TypeError, ValueError):  # no signature to read (a builtin): its call says what is wrong
+        return
+    if any(a not in VERL_ARGUMENTS for a in needs):
+        raise ValueError(
+            f"--reward-fn {spec}: this function takes {needs}, neither TRL's arguments (completions, completion_ids, "
+            f"prompts) nor verl's {list(VERL_ARGUMENTS)}. If it makes the reward function (a factory such as "
+            "get_soft_overlong_punishment), call it in a file of yours, overlong = "
+            "get_soft_overlong_punishment(1024, 256), and pass --reward-fn that_file.py:overlong"
+        )
 
 
 async def awaited(awaitable):
@@ -148,13 +244,10 @@ def score_rows(
     applied), log_extra/<column> and log_metric/<name> (run_log.rollout_metrics reads them)."""
     info = getattr(reward_fn, "info", None)
     if not isinstance(reward_fn, reward.RewardWorker) or not info:
-        if rows and "reward_model" not in rows[0]:
+        if rows and not all(c in rows[0] for c in VERL_COLUMNS):  # check_data says so at start-up
             name = getattr(reward_fn, "__name__", repr(reward_fn))
-            raise RewardError(
-                f"reward function {name} has verl's signature (data_source, solution_str, ground_truth, extra_info), "
-                "and this is a prompt-only dataset (no data_source, no reward_model): write it TRL's way, "
-                "f(completions, **kwargs) -> list[float | None], which gets every column of the dataset"
-            )
+            columns = {k for r in rows for k in r if k not in NOT_COLUMNS}
+            raise RewardError(f"reward function {verl_on_prompt_only(name + ' has', columns, 'this')}")
         return reward.score_rows(reward_fn, rows, texts, first, response_ids, truncated, errors, where, conversations)
     ids = response_ids if response_ids is not None else completion_ids
     batch = batch_kwargs(rows, texts, ids, conversations, step)
@@ -258,3 +351,21 @@ def add_logged(extras, logged, n):
         numbers = [float(x) for x in numbers if x is not None and reward.is_finite(x)]
         if numbers:
             extras[f"log_metric/{name}"] = [sum(numbers) / len(numbers)] * n
+
+
+def function_metrics(parts, prefix=""):
+    """{prefix}rewards/<name>/mean and /std (unbiased, as TRL's nanstd) of each function's values over the samples
+    it applied to, from `parts` (every rank's extras, or their rewards/<name> columns): validation's, logged as
+    val-aux/rewards/<name>/mean (the training step's rewards/<name>/mean are run_log.rollout_metrics')."""
+    values = {}
+    for part in parts:
+        for key, column in part.items():
+            if key.startswith("rewards/"):
+                values.setdefault(key, []).extend(float(v) for v in column if v is not None)
+    metrics = {}
+    for key, numbers in values.items():
+        if numbers:
+            mean = sum(numbers) / len(numbers)
+            metrics[f"{prefix}{key}/mean"] = mean
+            metrics[f"{prefix}{key}/std"] = math.sqrt(sum((v - mean) ** 2 for v in numbers) / max(len(numbers) - 1, 1))
+    return metrics

@@ -2,6 +2,7 @@
 reward worker: one call per function and batch, None = "does not apply", errors named as verl's are."""
 
 import math
+import os
 import textwrap
 
 import pytest
@@ -228,3 +229,136 @@ def test_an_installed_module_is_a_reward_spec(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="cannot import module 'mypkg.nothing'"):
         load_reward_fn("mypkg.nothing:f")
     assert trl_rewards.function_names([len, len, abs]) == ["len", "len_2", "abs"]
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL 1.16.0's own trl.rewards, from .trl_ref/ (bash install.sh --dev): it imports with math-verify alone
+
+TRL_REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".trl_ref")
+
+
+@pytest.fixture
+def trl_ref(monkeypatch):
+    if not os.path.isdir(os.path.join(TRL_REF, "trl", "rewards")):
+        pytest.skip(f"TRL's code is not in {TRL_REF} (bash install.sh --dev puts it there)")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TRL_REF, os.environ.get("PYTHONPATH", "")]))  # the worker's
+
+
+def test_trls_own_reward_functions_and_a_factory_made_in_a_users_file(trl_ref, tmp_path):
+    mine = tmp_path / "my_rewards.py"
+    mine.write_text(
+        "from trl.rewards import get_soft_overlong_punishment\n"
+        "overlong = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)\n"
+    )
+    specs = ["trl.rewards:think_format_reward", "trl.rewards:accuracy_reward", f"{mine}:overlong"]
+    rows = [{**CHAT_ROWS[0], "solution": gold} for gold in (r"\frac{1}{3}", r"\frac{1}{3}", "no gold here")]
+    texts = [
+        "<think>\nI divide.\n</think>\nSo \\boxed{\\frac{1}{3}}",
+        "<think>\nno closing tag, \\boxed{\\frac{1}{2}}",
+        "<think>\nx\n</think>\n\\boxed{1}",
+    ]
+    fn = load_reward_fns(specs, [1.0, 2.0, 0.5], 60.0)
+    try:
+        scores, extras = score_rows(fn, rows, texts, completion_ids=[[1] * 6, [1] * 8, [1] * 12], where="step 1")
+        names = fn.info["names"]
+    finally:
+        fn.close()
+    assert names == ["think_format_reward", "accuracy_reward", "soft_overlong_punishment_reward"]
+    assert extras["rewards/think_format_reward"] == [1.0, 0.0, 1.0]
+    assert extras["rewards/accuracy_reward"] == [1.0, 0.0, None]  # an unparseable gold: None, left out
+    # DAPO's: 0 up to 10 - 4 = 6 tokens, then (6 - length) / 4, and -1 past 10
+    assert extras["rewards/soft_overlong_punishment_reward"] == [0.0, -0.5, -1.0]
+    assert scores == [1.0 + 2.0, -0.25, 1.0 - 0.5]
+    assert extras["log_extra/solution"] == [r["solution"] for r in rows]  # accuracy_reward's log_extra columns
+    assert extras["log_extra/answer_parsed"][2] == "[skipped]"
+
+
+def test_a_factory_given_itself_is_refused_when_the_worker_loads_it(trl_ref):
+    with pytest.raises(RuntimeError) as e:
+        load_reward_fns(["trl.rewards:get_soft_overlong_punishment"])
+    said = str(e.value)
+    assert "--reward-fn trl.rewards:get_soft_overlong_punishment: this function takes ['max_completion_len', " in said
+    assert "call it in a file of yours" in said
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up: verl's functions on a prompt-only dataset; validation's rewards/<name>
+
+
+def test_a_verl_function_on_a_prompt_only_dataset_is_refused_at_start_up(rewards_file):
+    fn = worker(rewards_file, "compute_score")
+    try:
+        with pytest.raises(RewardError) as e:
+            trl_rewards.check_data(fn, CHAT_ROWS, "data/train.jsonl")
+        verl_rows = [{**r, "data_source": "x", "reward_model": {"ground_truth": "2"}} for r in CHAT_ROWS]
+        trl_rewards.check_data(fn, verl_rows, "data/train.parquet")  # verl's rows: nothing to say
+    finally:
+        fn.close()
+    said = str(e.value)
+    assert said.startswith(f"--reward-fn {rewards_file}:compute_score: this function has verl's signature")
+    assert "and data/train.jsonl is a prompt-only dataset (no data_source and no reward_model column; its " in said
+    assert "columns: ['level', 'solution']), so there is no ground_truth to pass: write it TRL's way" in said
+
+
+def test_the_trainer_refuses_a_verl_function_on_a_prompt_only_dataset_before_anything_loads(rewards_file):
+    """startup.reward_fn, which train_grpo.main and a rollout rank call before the engine and the policy load."""
+    import types
+
+    import startup
+
+    args = types.SimpleNamespace(reward_fn=f"{rewards_file}:compute_score", reward_weights="", reward_timeout=30.0)
+    args.train_data, args.val_data = "data/train.jsonl", "data/test.parquet"
+    verl_rows = [{**r, "data_source": "x", "reward_model": {"ground_truth": "2"}} for r in CHAT_ROWS]
+    with pytest.raises(SystemExit) as e:
+        startup.reward_fn(args, verl_rows, CHAT_ROWS)  # the validation set is the prompt-only one
+    assert f"--reward-fn {rewards_file}:compute_score: this function has verl's signature" in str(e.value)
+    assert "and data/test.parquet is a prompt-only dataset" in str(e.value)
+    startup.reward_fn(args, verl_rows, verl_rows).close()  # verl's rows on both sides: accepted
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_verl_function_on_a_prompt_only_dataset_before_its_engine_loads(rewards_file, tmp_path):
+    import json
+
+    import eval as evaluation
+    import rollout
+    from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
+
+    model = build_tiny_model(str(tmp_path / "model"), TASK_WORDS)
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "prompt_ids"}) + "\n" for r in CHAT_ROWS))
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine loaded")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout, "make_engine", no_engine)
+        with pytest.raises(SystemExit) as e:
+            evaluation.main(["--model", model, "--data", str(data), "--reward-fn", f"{rewards_file}:compute_score"])
+    assert f"--reward-fn {rewards_file}:compute_score: this function has verl's signature" in str(e.value)
+    assert f"and {data} is a prompt-only dataset" in str(e.value)
+
+
+def test_validation_logs_each_functions_values_as_val_aux_rewards(rewards_file):
+    from engine import Rollout
+    from eval import validate
+
+    class Tok:
+        def decode(self, ids, **kwargs):
+            return " ".join(map(str, ids))
+
+    class Scripted:
+        def generate(self, prompts, *, n, **kwargs):
+            return Rollout(response_ids=[[5, 6, 7], [8], [9, 9], [4, 4, 4, 4]][: len(prompts) * n])
+
+    fn = worker(rewards_file, "only_hard", "length_score", "never")
+    try:
+        metrics, _ = validate(Scripted(), TEXT_ROWS, Tok(), fn, {0}, n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    finally:
+        fn.close()
+    assert metrics["val-aux/rewards/length_score/mean"] == 2.5  # lengths 3, 1, 2, 4
+    assert math.isclose(metrics["val-aux/rewards/length_score/std"], math.sqrt(5 / 3))  # unbiased, as training's
+    assert metrics["val-aux/rewards/only_hard/mean"] == 1.0  # over the hard prompt's 2 samples only
+    assert not any("rewards/never" in k for k in metrics)  # applied nowhere: not logged, as in training
+    assert metrics["val-core/prompt_only/reward/mean@2"] == (3 + 1 + (1 + 2) + (1 + 4)) / 4
