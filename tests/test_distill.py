@@ -1,7 +1,9 @@
 """distill.py: on-policy distillation. The teacher's term by hand; a teacher equal to the student gives exactly 0;
 a teacher with another tokenizer, or that is no model, is refused before anything loads; OPSD's teacher reads its
-own prompt then the student's response ids exactly; and real runs of the tiny model: 1 and 2 ranks alike, a kill -9
-resumed exactly, LoRA with its base as the teacher, pure distillation on rows without a ground truth."""
+own prompt then the student's response ids exactly; the memory check counts the teacher; and real runs of the tiny
+model: 1 and 2 ranks alike, a kill -9 and a SIGTERM resumed exactly, LoRA with its base as the teacher, pure
+distillation on rows without a ground truth, a bf16 teacher held in bf16; on the real Qwen2.5 tokenizer, --tools
+(the teacher's term on the model's tokens only) and which teachers it accepts."""
 
 import json
 import os
@@ -18,6 +20,7 @@ import bands
 import data_prep
 import distill
 import health
+import memory
 from config import Args
 from models import build_tiny_model
 from policy import make_batch
@@ -114,6 +117,24 @@ def test_the_reverse_kl_band_warns_when_it_rises_or_does_not_fall():
     assert flat[0][0] == "distill_kl_flat" and "is not 10% below" in flat[0][1]
 
 
+def test_the_start_up_memory_check_counts_the_teacher(tmp_path, capsys):
+    """memory.check_update_memory runs after the teacher loaded (its free memory is what the teacher left),
+    and a warning says what the frozen models hold: a teacher once, the policy itself (--teacher self) not at
+    all. The real run's call is watched in test_a_bf16_teacher_is_held_in_bf16_and_scores_as_the_student_does."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(build_tiny_model(str(tmp_path / "m"), TASK_WORDS))
+    teacher = torch.nn.Embedding(2**15, 2**11, dtype=torch.bfloat16)  # 128 MiB, as load_teacher holds it in bf16
+    assert memory.frozen_gib(policy, (None, teacher)) == memory.frozen_gib(policy, (teacher, teacher)) == 0.125
+    assert memory.frozen_gib(policy, (None, policy)) == 0  # --teacher self: no second model
+    if memory.free_memory_gib(torch.device("cpu"), 1) is None:
+        pytest.skip("no /proc/meminfo: the free memory cannot be read")
+    args = Args(micro_batch_size=4_000_000, max_prompt_length=32, max_response_length=32, share_prompts=False)
+    how = dict(world=1, ranks_here=1, device=torch.device("cpu"))
+    memory.check_update_memory(args, policy, list(policy.parameters()), frozen=(None, teacher), **how)
+    assert "The frozen reference and teacher hold 0.1 GiB of this rank's memory" in capsys.readouterr().out
+
+
 def test_pure_distillation_rows_need_no_ground_truth(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "mine", "prompt": [{"role": "user", "content": "hi"}]}]), path)
@@ -148,6 +169,47 @@ def train(out_dir, *flags, ranks=1, crash_at=None, check=True):
 
 def metrics(run):
     return [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+
+
+# train_grpo.py in one plain process (a world of one), watched where distill.py joins it: the teacher as loaded
+# (its parameters' dtypes and GiB), what the start-up memory check was told the frozen models hold, and each step
+# the batch and log-probs the teacher's term saw
+SPIED = """
+import sys, torch, distill, memory, train_grpo
+out, add, load, check, steps = sys.argv[1], distill.add_teacher_term, distill.load_teacher, train_grpo.check_update_memory, []
+def load_teacher(*a, **kw):
+    teacher = load(*a, **kw)
+    dtypes = sorted({str(p.dtype) for p in teacher.parameters()})
+    torch.save(dict(dtypes=dtypes, gib=memory.frozen_gib(None, [teacher])), out + "/teacher.pt")
+    return teacher
+def check_update_memory(args, policy, trained, *, frozen, **kw):
+    torch.save(memory.frozen_gib(policy, frozen), out + "/frozen_gib.pt")
+    return check(args, policy, trained, frozen=frozen, **kw)
+def add_teacher_term(batch, teacher_logp, student_logp, **kw):
+    before = batch["advantages"].clone()
+    metrics = add(batch, teacher_logp, student_logp, **kw)
+    seen = {k: batch[k] for k in ("input_ids", "attention_mask", "responses", "response_lens", "response_mask")}
+    seen.update(before=before, after=batch["advantages"], teacher_logp=teacher_logp, student_logp=student_logp)
+    steps.append(metrics)
+    torch.save(dict(seen, metrics=metrics), out + f"/step{len(steps)}.pt")
+    return metrics
+distill.load_teacher, distill.add_teacher_term, train_grpo.check_update_memory = load_teacher, add_teacher_term, check_update_memory
+sys.argv = ["train_grpo.py", *sys.argv[2:]]
+train_grpo.main()
+"""
+
+
+def spied_train(out_dir, *flags):
+    """train_grpo.py watched by SPIED; returns {1: step 1's batch, ..., "teacher": {"dtypes", "gib"} if it
+    loaded one, "frozen_gib": what the memory check counted}."""
+    seen = out_dir / "seen"
+    seen.mkdir(parents=True)
+    cmd = [sys.executable, "-c", SPIED, str(seen), "--out-dir", str(out_dir), *flags]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"train_grpo.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = {int(p.stem[4:]): torch.load(p) for p in seen.glob("step*.pt")}
+    out |= {p.stem: torch.load(p) for p in (seen / "teacher.pt", seen / "frozen_gib.pt") if p.exists()}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +320,122 @@ def test_the_teacher_lives_with_the_trainers_one_step_off_policy_and_beside_a_ro
         assert a["distill/reverse_kl/mean"] > 0
         for key in [*COMPARED, "distill/teacher_logp/mean"]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+# ----------------------------------------------------------------------------------------------
+# With the real Qwen2.5 tokenizer: tools, and which teachers it accepts
+
+
+@pytest.fixture(scope="module")
+def qwen_teacher(tmp_path_factory):
+    """Another random Qwen2 on the real Qwen2.5 tokenizer (seed 1), the size of conftest's qwen_tool_model."""
+    from conftest import QWEN_DIR, need
+
+    from models import build_random_model
+
+    need(QWEN_DIR)
+    sizes = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    out = str(tmp_path_factory.mktemp("qwen_teacher") / "teacher")
+    return build_random_model(out, QWEN_DIR, seed=1, intermediate_size=256, **sizes)
+
+
+@pytest.mark.slow
+def test_with_tools_the_teachers_term_is_on_the_models_tokens_only(tmp_path, qwen_tool_model, qwen_teacher, gsm8k_data):
+    """--tools (test_train_tools.py's model and calculator): a conversation's response holds the model's turns
+    and, between them, the tools' answers and the chat template's tokens. The teacher scores the whole sequence,
+    but its term, and the distill/* metrics, are on the model's tokens only: the tools' tokens keep an
+    advantage of exactly 0, and the logged reverse KL is the mean over the model's tokens, not over all."""
+    from conftest import gsm8k_flags
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    flags = [
+        *("--model", qwen_tool_model, *gsm8k_flags(gsm8k_data), "--teacher", qwen_teacher, "--rollout", "hf"),
+        *("--tools", os.path.join(REPO, "examples", "tools", "calculator.py"), "--max-turns", "3"),
+        *"--max-response-length 64 --max-tool-response-length 24 --max-prompt-length 512 --dtype fp32".split(),
+        *"--prompt-batch-size 4 --mini-batch-size 4 --group-size 4 --max-steps 1 --test-freq -1 --save-freq -1".split(),
+    ]
+    b, logged = spied_train(tmp_path, *flags)[1], metrics(tmp_path)[0]  # step 1's batch and metrics (no step 0)
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tool_model)
+    real = b["attention_mask"][:, -b["responses"].shape[1] :].bool()  # [N, R] the response, the tools' included
+    mine = b["response_mask"].bool()  # [N, R] the model's own tokens
+    tools = real & ~mine
+    assert tools.any(), "no conversation called a tool: nothing was tested"
+    for i in range(len(real)):  # what the mask leaves out is the tools' answers and the template around them
+        assert not tools[i].any() or "<tool_response>" in tokenizer.decode(b["responses"][i][tools[i]])
+    assert torch.equal(b["after"][~mine], torch.zeros((~mine).sum().item()))  # tools' tokens, padding: exactly 0
+    term = b["after"] - b["before"]
+    torch.testing.assert_close(term[mine], (b["teacher_logp"] - b["student_logp"])[mine], rtol=0, atol=1e-6)
+    kl = b["student_logp"] - b["teacher_logp"]  # [N, R] nats
+    assert logged["distill/reverse_kl/mean"] == pytest.approx(kl[mine].mean().item(), rel=1e-5)
+    assert logged["distill/reverse_kl/max"] == pytest.approx(kl[mine].max().item(), rel=1e-5)
+    assert logged["distill/teacher_logp/mean"] == pytest.approx(b["teacher_logp"][mine].mean().item(), rel=1e-5)
+    assert abs(kl[real].mean().item() - kl[mine].mean().item()) > 1e-3  # over all the response's it differs
+    # the teacher's log-probs line up with the tokens: a plain forward of the teacher on a row with a tool's answer
+    i = next(i for i in range(len(real)) if tools[i].any())
+    ids = b["input_ids"][i][b["attention_mask"][i].bool()]  # [prompt + response]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(qwen_teacher, dtype=torch.float32)(ids[None]).logits[0, :-1]
+    n = b["response_lens"][i]
+    by_hand = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[-n:, 0]  # [n]
+    torch.testing.assert_close(b["teacher_logp"][i, :n], by_hand, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_qwen_teachers_are_accepted_and_another_tokenizer_is_refused_before_anything_loads(
+    tmp_path, qwen_tool_model, qwen_teacher, teacher, gsm8k_data
+):
+    """The real Qwen2.5 tokenizer (151,665 tokens, 151,936 vocabulary rows): a teacher on it is accepted (the
+    0.5B's own directory too, config and tokenizer only); the demo's tokenizer is refused at its first token."""
+    from conftest import QWEN_DIR, gsm8k_flags
+
+    assert distill.vocabulary_difference(qwen_tool_model, qwen_teacher) is None
+    assert distill.vocabulary_difference(qwen_tool_model, QWEN_DIR) is None
+    proc = train(tmp_path, "--model", qwen_tool_model, *gsm8k_flags(gsm8k_data), "--teacher", teacher, check=False)
+    expected = f"--teacher {teacher}: token id 0 is '!' in --model's tokenizer and '<pad>' in the teacher's (151665 and"
+    assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
+    assert "rollout engine" not in proc.stdout  # refused before the engine (and the policy) loaded
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16, SIGTERM
+
+
+@pytest.mark.slow
+def test_a_bf16_teacher_is_held_in_bf16_and_scores_as_the_student_does(tmp_path):
+    """--dtype bf16: the teacher's weights are held in bf16 (it only scores: fp32 copies would double its
+    memory for the same numbers), and it computes as the bf16 student does: --model's own directory as the
+    teacher (a second frozen copy) gives exactly 0 at step 1, the initial weights; then the student moves."""
+    flags = [*RUN, "--max-steps", "2", "--test-freq", "-1", "--save-freq", "-1", "--dtype", "bf16"]
+    seen = spied_train(tmp_path, *flags, "--teacher", str(tmp_path / "tiny_model"))
+    assert seen["teacher"]["dtypes"] == ["torch.bfloat16"]
+    assert seen["frozen_gib"] == seen["teacher"]["gib"] > 0  # the memory check counts it, in bf16's bytes
+    rows = metrics(tmp_path)
+    assert rows[0]["distill/reverse_kl/mean"] == rows[0]["distill/reverse_kl/max"] == 0.0
+    assert rows[1]["distill/reverse_kl/mean"] != 0.0 and 0 < rows[1]["actor/grad_norm"] < 100
+    assert seen[2]["teacher_logp"].dtype == torch.float32  # the log-probs of bf16 logits, taken in fp32
+
+
+@pytest.mark.slow
+def test_sigterm_during_opd_saves_and_the_rerun_continues_exactly(whole, teacher, tmp_path):
+    """SIGTERM mid-run (as test_stops.py sends it) with a teacher: the run saves the steps it did and stops,
+    though --save-freq 50 would have saved none; the same command continues to the uninterrupted run (the
+    `whole` fixture's 1-rank run), distill/* included: the teacher is frozen and read again from --teacher."""
+    import signal
+
+    from test_stops import start_and_wait_for_step, steps_logged
+
+    flags = [*RUN, "--teacher", teacher, "--save-freq", "50"]
+    proc = start_and_wait_for_step(tmp_path, 1, *flags)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    done = max(steps_logged(tmp_path))
+    assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 4" in out + err, err[-3000:]
+    assert 1 <= done < 4 and (tmp_path / f"global_step_{done}").is_dir()
+    assert not (tmp_path / "final_model").exists()
+    proc = train(tmp_path, *flags)
+    assert f"resumed from {tmp_path / f'global_step_{done}'}" in proc.stdout
+    a, b = metrics(whole / "ranks1"), metrics(tmp_path)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a[1:], b[1:]):
+        for key in [*COMPARED, "distill/reverse_kl/max", "distill/teacher_logp/mean", "response_length/mean"]:
+            assert x[key] == y[key], (x["step"], key, x[key], y[key])
