@@ -7,10 +7,11 @@ per-token reverse KL's (negative) estimate, a dense signal beside the reward's o
     --teacher DIR --teacher-prompt-key KEY      OPSD: the teacher reads another prompt from the row (e.g. with the
                                                 worked solution), then the student's response ids exactly
 
-The teacher is sharded like the KL reference (its weights in the run's dtype) and scored with the reference's
-machinery (policy.reference_logprobs): the same --model directory is the reference copy (or with LoRA the base), and
-`self` is the current policy. Its tokenizer must be the student's (check_teacher, before anything loads).
-The teacher is frozen and never checkpointed: a resumed run scores with the same teacher (docs/distill.md).
+The teacher is loaded like the KL reference (policy.load_frozen, in the run's dtype) and scored with the
+reference's machinery (policy.reference_logprobs): the same --model directory is the reference copy (or with
+LoRA the base), and `self` is the current policy. Its tokenizer must be the student's (check_teacher, before
+anything loads). The teacher is frozen and never checkpointed: a resumed run scores with the same teacher
+(docs/distill.md).
 """
 
 import json
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from distributed import all_sum
 from model_dir import check_model_path
-from policy import compute_logprobs, load_model, make_batch, reference_logprobs, shard
+from policy import compute_logprobs, load_frozen, make_batch, reference_logprobs
 from reward import BUILTIN_SOURCES, compute_score
 from run_log import timed
 
@@ -180,10 +181,7 @@ def load_teacher(args, policy, reference, *, mesh, device, dtype):
     """The model that scores as the teacher (for policy.reference_logprobs): `self`, the current policy; the
     --model directory itself, the frozen initial policy, which is the reference copy when --kl-coef loaded
     one, and with LoRA the base (None: the policy with its adapters off, no copy); any other directory, a
-    frozen FSDP2 copy sharded as the reference is (policy.shard), its weights held in the run's dtype. Not
-    fp32 master weights as the policy's and the reference's: it only scores, and in bf16 FSDP2 would cast
-    fp32 weights to the same bf16 ones before each forward, so fp32 copies would double the memory of a
-    teacher often larger than the student for the same numbers (verl holds its reference in bf16 too)."""
+    frozen FSDP2 copy in the run's dtype, loaded as the reference is (policy.load_frozen)."""
     if args.teacher == SELF:
         return policy
     if os.path.realpath(args.teacher) == os.path.realpath(args.model):
@@ -191,8 +189,7 @@ def load_teacher(args, policy, reference, *, mesh, device, dtype):
             return None
         if reference is not None:
             return reference
-    teacher = load_model(args.teacher, dtype, device).eval().requires_grad_(False)
-    return shard(teacher, mesh, dtype, offload=args.offload in ("params", "both"))
+    return load_frozen(args.teacher, mesh, device, dtype, offload=args.offload in ("params", "both"))
 
 
 def labelled_reward(data_source, solution_str, ground_truth, extra_info=None):

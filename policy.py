@@ -349,9 +349,10 @@ def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=F
 
 def load_frozen(path, mesh, device, dtype, offload=False):
     """A frozen model that only scores (the KL reference; distill.py's teacher): eval mode, no gradients,
-    FSDP2-sharded like the policy, fp32 master weights computing in `dtype`, its shards in CPU memory with
-    offload."""
-    frozen = load_model(path, torch.float32, device).eval().requires_grad_(False)
+    FSDP2-sharded like the policy, its shards in CPU memory with offload. Its weights are held in `dtype`, not
+    as the policy's fp32 masters: in bf16 FSDP2 would cast fp32 weights to the same bf16 ones before each
+    forward, so an fp32 copy would hold twice the memory for the same numbers (verl's reference is bf16 too)."""
+    frozen = load_model(path, dtype, device).eval().requires_grad_(False)
     return shard(frozen, mesh, dtype, offload)
 
 
