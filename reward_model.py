@@ -68,14 +68,26 @@ def load_reward_model(path, mesh, device, dtype=torch.float32):
 
 def render(tokenizer, rows, texts):
     """Token ids of each conversation as the reward model reads it: its chat template with the
-    response as the assistant's turn, or, for a tokenizer without one, the texts one per line.
-    All at once: the template and the tokenizer are several times faster on a batch than one by one."""
-    conversations = [[*row["prompt"], {"role": "assistant", "content": text}] for row, text in zip(rows, texts)]
-    if tokenizer.chat_template:
-        strings = tokenizer.apply_chat_template(conversations, tokenize=False)
-    else:
-        strings = ["\n".join(m["content"] for m in c) for c in conversations]
-    return tokenizer(strings, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    response as the assistant's turn, or, for a tokenizer without one, the texts one per line. A text
+    prompt (TRL's standard format, prompt_data.py) is read as prompt + response, with no template and no
+    special tokens added, as TRL's GRPOTrainer gives it to a reward model. All at once: the template and
+    the tokenizer are several times faster on a batch than one by one."""
+    ids = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if isinstance(row["prompt"], str)]
+    chats = [i for i, row in enumerate(rows) if not isinstance(row["prompt"], str)]
+    if plain:
+        strings = [rows[i]["prompt"] + texts[i] for i in plain]
+        for i, seq in zip(plain, tokenizer(strings, add_special_tokens=False)["input_ids"]):
+            ids[i] = seq
+    if chats:
+        conversations = [[*rows[i]["prompt"], {"role": "assistant", "content": texts[i]}] for i in chats]
+        if tokenizer.chat_template:
+            strings = tokenizer.apply_chat_template(conversations, tokenize=False)
+        else:
+            strings = ["\n".join(m["content"] for m in c) for c in conversations]
+        for i, seq in zip(chats, tokenizer(strings, add_special_tokens=not tokenizer.chat_template)["input_ids"]):
+            ids[i] = seq
+    return ids
 
 
 @torch.no_grad()

@@ -41,6 +41,20 @@ def test_score_is_the_logit_at_the_end_of_the_rendered_conversation(rm):
     assert len(set(round(s, 4) for s in scores)) == 3  # a random head still tells them apart
 
 
+def test_a_text_prompt_is_read_as_prompt_plus_response_as_trl_gives_it(rm):
+    """TRL's standard (text) prompt: the reward model reads prompt + response with no template and no
+    special tokens, as GRPOTrainer tokenizes it; chat rows in the same call keep their template."""
+    model, tok = rm
+    rows = [{"prompt": "list 1 2 3 last"}, {"prompt": [{"role": "user", "content": "list 1 2 3 last"}]}]
+    ids = reward_model.render(tok, rows, [" 3", "3"])
+    assert ids[0] == tok("list 1 2 3 last 3", add_special_tokens=False)["input_ids"]
+    assert ids[1] == reward_model.render(tok, rows[1:], ["3"])[0] and ids[1] != ids[0]
+    scores = reward_model.score(model, tok, rows, [" 3", "3"], micro_batch_size=2, device=CPU)
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([ids[0]])).logits[0, 0].item()
+    assert scores[0] == pytest.approx(alone, abs=1e-5)
+
+
 def test_a_model_with_more_than_one_output_is_refused(tmp_path):
     tiny = build_tiny_model(str(tmp_path / "tiny"), TASK_WORDS)  # a causal LM: transformers gives it 2
     with pytest.raises(SystemExit, match="--reward-model: model path .*missing.*: no such directory"):
