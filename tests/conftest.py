@@ -1,6 +1,7 @@
 """Real models and data for the tests, built once per session, offline.
 
-- `gsm8k_data`: the real GSM8K from ../shared/data/gsm8k, converted to verl's parquet schema.
+- `gsm8k_data`: the real GSM8K from ../shared/data/gsm8k, converted to verl's parquet schema;
+  `gsm8k_head`: its first 64 training and 32 test rows.
 - `qwen_model`: the real Qwen2.5 tokenizer, chat template, generation config and 151,936-row
   vocabulary from ../shared/models/qwen2.5-0.5b-instruct, on a random-init Qwen2 with hidden
   size 128 (19.7M parameters, 19.4M of them the tied embedding).
@@ -31,6 +32,17 @@ QWEN_DIR = os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct")
 GSM8K_DIR = os.path.join(SHARED, "data", "gsm8k")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files with the most slow tests first, each file's tests in their own order. pytest-xdist hands
+    whole files to the two workers (--dist loadfile) in this order (--no-loadscope-reorder; its default
+    puts the files with the most tests first, and those are the fast ones), so that the long end-to-end
+    files start early instead of running alone at the end."""
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # a stable sort: a file's tests keep their order
+
+
 def need(path):
     if not os.path.isdir(path):
         pytest.skip(f"{os.path.normpath(path)} is not beside the repository")
@@ -44,6 +56,19 @@ def gsm8k_data(tmp_path_factory):
     need(GSM8K_DIR)
     out = tmp_path_factory.mktemp("gsm8k")
     data_prep.main(["gsm8k", "--input", GSM8K_DIR, "--out", str(out)])
+    return out
+
+
+@pytest.fixture(scope="session")
+def gsm8k_head(gsm8k_data, tmp_path_factory):
+    """gsm8k_data's first 64 training and 32 test rows: for runs that need real GSM8K prompts but not
+    all 8,792 of them (every rank of every run renders each prompt with the chat template at start:
+    14 s of CPU for all of them with Qwen2.5's tools block)."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path_factory.mktemp("gsm8k_head")
+    for name, rows in (("train", 64), ("test", 32)):
+        pq.write_table(pq.read_table(gsm8k_data / f"{name}.parquet").slice(0, rows), out / f"{name}.parquet")
     return out
 
 

@@ -121,7 +121,7 @@ def test_gpu_benchmark_splits_a_step_into_its_phases():
 
 
 @pytest.mark.slow
-def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_data):
+def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_head):
     """benchmarks/gpu_update.py --dry-run: a tiny model on the CPU through every stage, so the script a GPU
     session runs in one call has run before. Each head geometry matches the materialised logits, every
     update setting and the profile ran, and the paths stage ran its kill and resume (the runs a GPU adds:
@@ -134,7 +134,7 @@ def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_d
 
     need(QWEN_DIR)
     out = tmp_path / "gpu_update.json"
-    cmd = [sys.executable, "benchmarks/gpu_update.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_data)]
+    cmd = [sys.executable, "benchmarks/gpu_update.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_head)]
     cmd += ["--json", str(out), "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -109,7 +109,7 @@ def test_a_gsm8k_rollout_over_the_step_budget(qwen_vllm, gsm8k_prompts):
 
 
 @pytest.fixture(scope="module")
-def qwen_runs(tmp_path_factory, qwen_model, gsm8k_data):
+def qwen_runs(tmp_path_factory, qwen_model, gsm8k_head):
     """2 GRPO steps of the random Qwen on GSM8K prompts (KL loss to the reference on, as by
     default): with vLLM on 1 and 2 ranks, and with the transformers engine on 2 ranks. (Its samples
     depend only on each prompt's seed too: tests/test_rollout.py.)"""
@@ -122,7 +122,7 @@ def qwen_runs(tmp_path_factory, qwen_model, gsm8k_data):
     flags = [
         "--model",
         qwen_model,
-        *gsm8k_flags(gsm8k_data),
+        *gsm8k_flags(gsm8k_head),
         "--reward-fn",
         str(root / "length_reward.py"),
         *"--max-steps 2 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --max-response-length 16 --test-freq 2 --val-max-prompts 8 --lr 1e-3 --save-freq -1".split(),

@@ -23,13 +23,13 @@ COMPARED = "critic/score/mean response_length/mean num_turns/mean num_turns/max 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, qwen_tool_model, gsm8k_data):
+def runs(tmp_path_factory, qwen_tool_model, gsm8k_head):
     """4 steps on 1 rank and on 2 ranks with the transformers engine, and the 1-rank run killed in
     its third update, then rerun."""
     root = tmp_path_factory.mktemp("tool_runs")
     (root / "reward.py").write_text(REWARD)
     flags = [
-        *("--model", qwen_tool_model, *gsm8k_flags(gsm8k_data), "--reward-fn", str(root / "reward.py")),
+        *("--model", qwen_tool_model, *gsm8k_flags(gsm8k_head), "--reward-fn", str(root / "reward.py")),
         *("--tools", os.path.join(REPO, "examples", "tools", "calculator.py"), "--max-turns", "3"),
         *"--max-response-length 64 --max-tool-response-length 24 --max-prompt-length 512 --val-max-prompts 8".split(),
         *"--dtype fp32 --lr 1e-3 --prompt-batch-size 4 --mini-batch-size 4".split(),  # 16 samples: the head is costly

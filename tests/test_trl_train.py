@@ -32,6 +32,10 @@ REWARDS = textwrap.dedent(
             return [None] * len(completion_ids)
         return [1.0 - min(len(ids), 16) / 16 for ids in completion_ids]
 
+    def text_length(completions, **kwargs):
+        # differs within a group from step 1 on: the exact-resume check then resumes a run whose weights move
+        return [len(c[0]["content"]) / 40 for c in completions]
+
     def gsm8k_accuracy(completions, solution, **kwargs):
         texts = [c[0]["content"] for c in completions]
         numbers = [re.findall(r"-?\\d[\\d,]*", t) for t in texts]
@@ -86,14 +90,15 @@ def test_a_trl_dataset_and_trl_reward_functions_train_on_one_and_two_ranks(tmp_p
     assert all("solution" in s and "rewards/accuracy_reward" in s for s in samples)
 
 
-def train_smollm2(out_dir, data, model, rewards, crash_at=None):
+def train_smollm2(out_dir, data, model, rewards, crash_at=None, save_freq=1):
     env = {k: v for k, v in os.environ.items() if k != "GRPO_CRASH_AT"}
     if crash_at:
         env["GRPO_CRASH_AT"] = crash_at
     flags = ["--model", model, "--out-dir", str(out_dir), "--train-data", data, "--val-data", data]
-    flags += ["--reward-fn", f"{rewards}:gsm8k_accuracy,{rewards}:short_reward"]
+    flags += ["--reward-fn", f"{rewards}:gsm8k_accuracy,{rewards}:short_reward,{rewards}:text_length"]
     flags += "--rollout hf --max-steps 3 --prompt-batch-size 2 --mini-batch-size 2 --group-size 2".split()
-    flags += "--max-response-length 8 --test-freq 3 --val-max-prompts 2 --save-freq 1 --kl-coef 0 --lr 1e-5".split()
+    flags += "--max-response-length 8 --test-freq 3 --val-max-prompts 2 --kl-coef 0 --lr 1e-5".split()
+    flags += ["--save-freq", str(save_freq)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_grpo.py", *flags]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert (proc.returncode != 0) == bool(crash_at), f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -121,7 +126,8 @@ def test_smollm2_on_a_trl_gsm8k_is_killed_and_resumes_exactly(tmp_path, smollm2_
     )
     rewards = tmp_path / "gsm8k_rewards.py"
     rewards.write_text(REWARDS)
-    train_smollm2(tmp_path / "whole", str(data), smollm2_model, rewards)
+    # the reference saves no checkpoints (1.6 GB each: SmolLM2 and its Adam moments); saving must change nothing
+    train_smollm2(tmp_path / "whole", str(data), smollm2_model, rewards, save_freq=-1)
     proc = train_smollm2(tmp_path / "killed", str(data), smollm2_model, rewards, crash_at="update:2")
     assert proc.returncode != 0
     proc = train_smollm2(tmp_path / "killed", str(data), smollm2_model, rewards)
@@ -132,6 +138,7 @@ def test_smollm2_on_a_trl_gsm8k_is_killed_and_resumes_exactly(tmp_path, smollm2_
     for a, b in zip(whole, resumed):
         assert {k: a.get(k) for k in compared} == {k: b.get(k) for k in compared}, a["step"]
     assert "rewards/short_reward/mean" in whole[2] and "rewards/gsm8k_accuracy/mean" in whole[1]
+    assert all(r["actor/grad_norm"] > 0 for r in whole[1:]), [r["actor/grad_norm"] for r in whole]  # it trained
     from safetensors.torch import load_file
 
     wa = load_file(os.path.join(tmp_path / "whole", "final_model", "model.safetensors"))
