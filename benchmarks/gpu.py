@@ -103,8 +103,9 @@ def build_model(args):
     return model_dir
 
 
-def run_ours(args, model_dir, name, steps, flags=(), out_dir=None, crash_at=None):
-    """train_grpo.py under torchrun on one GPU (crash_at: GRPO_CRASH_AT, where it kills itself). Returns
+def run_ours(args, model_dir, name, steps, flags=(), out_dir=None, crash_at=None, threads=None):
+    """train_grpo.py under torchrun on one GPU (crash_at: GRPO_CRASH_AT, where it kills itself; threads: its
+    OpenMP threads, every core by default). Returns
     dict(ok, error, log, records, metrics): the per-step records in runners.run_ours' shape, and the raw
     metrics lines."""
     run_dir = os.path.join(args.work_dir, "runs", name)
@@ -140,7 +141,7 @@ def run_ours(args, model_dir, name, steps, flags=(), out_dir=None, crash_at=None
         cmd.append(f"--micro-batch-tokens={args.micro_batch_tokens}")
     t = time.perf_counter()
     env = {"GRPO_CRASH_AT": crash_at} if crash_at else None
-    ok, error, _ = run_process(cmd, run_dir, os.cpu_count(), timeout=900, env=env)
+    ok, error, _ = run_process(cmd, run_dir, threads or os.cpu_count(), timeout=900, env=env)
     log = os.path.join(run_dir, "log.txt")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     lines = [json.loads(x) for x in open(metrics_path)] if os.path.isfile(metrics_path) else []

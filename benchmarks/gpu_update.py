@@ -350,13 +350,16 @@ def paths_stage(args, device):
         runs["offload-params"] = (3, ["--offload=params", "--save-freq=-1", *quiet], None)
     else:  # CPU runs repeat exactly: one uninterrupted run will do; the suite covers the rest on the CPU
         runs = {k: runs[k] for k in ("whole-a", "killed")}
+    # a dry run's one OpenMP thread: beside the test suite's other worker, two threads stall at every barrier
+    how = dict(threads=1 if tiny else None)
     with ThreadPoolExecutor(1 if tiny else len(runs)) as pool:
         futures = {
-            k: pool.submit(gpu.run_ours, small, model_dir, k, s, f, crash_at=crash) for k, (s, f, crash) in runs.items()
+            k: pool.submit(gpu.run_ours, small, model_dir, k, s, f, crash_at=crash, **how)
+            for k, (s, f, crash) in runs.items()
         }
         done = {k: f.result() for k, f in futures.items()}
     out_dir = os.path.join(args.work_dir, "runs", "killed", "out")
-    done["resumed"] = gpu.run_ours(small, model_dir, "resumed", last, runs["killed"][1], out_dir=out_dir)
+    done["resumed"] = gpu.run_ours(small, model_dir, "resumed", last, runs["killed"][1], out_dir=out_dir, **how)
     result = {}
     for k, run in done.items():
         last = run["metrics"][-1] if run["metrics"] else {}

@@ -38,7 +38,7 @@ def traced_passes():
     return [torch.compile(f, backend="eager", fullgraph=True) for f in (logprobs.block_stats, logprobs.block_grad)]
 
 
-@pytest.mark.parametrize("passes", ["in place", "block functions", "traced"])
+@pytest.mark.parametrize("passes", ["in place", "block functions", pytest.param("traced", marks=pytest.mark.slow)])
 def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient(passes, monkeypatch):
     """The GPU geometry, run here: 17,000 tokens are two token blocks (16,384 and an uneven 616) and a
     4,500-entry vocabulary two slices (4,096 and 404), against log_softmax and the entropy of the full
