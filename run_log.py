@@ -27,6 +27,7 @@ from distributed import all_gather, all_sum, print0, reduce_metrics
 from health import FIRST_STEP
 from memory import memory_gb
 from multi_turn import turn_counts, turn_metrics
+from trl_rewards import function_metrics
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
@@ -56,14 +57,10 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
         )
     metrics["response_length/clip_ratio"] = float(np.mean(truncated))
     metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
+    metrics.update(function_metrics([extras]))  # TRL's rewards/<name>/mean and /std, where it applied
     for key, values in extras.items():
         numeric = [float(v) for v in values if isinstance(v, (int, float))]
-        if key.startswith(TRL_KEYS[0]) and numeric:  # TRL's rewards/<name>/mean and /std, where it applied
-            mean = sum(numeric) / len(numeric)
-            metrics[f"{key}/mean"] = mean
-            spread = sum((v - mean) ** 2 for v in numeric) / max(len(numeric) - 1, 1)  # unbiased, as TRL's nanstd
-            metrics[f"{key}/std"] = math.sqrt(spread)
-        elif key.startswith(TRL_KEYS[1]) and numeric:  # log_metric(name, value): under its own name
+        if key.startswith(TRL_KEYS[1]) and numeric:  # log_metric(name, value): under its own name
             metrics[key.removeprefix(TRL_KEYS[1])] = sum(numeric) / len(numeric)
         elif numeric and not key.startswith(TRL_KEYS):  # log_extra's columns go to the samples, not here
             metrics[f"reward_extra/{key}/mean"] = sum(numeric) / len(numeric)

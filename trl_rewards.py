@@ -355,8 +355,8 @@ def add_logged(extras, logged, n):
 
 def function_metrics(parts, prefix=""):
     """{prefix}rewards/<name>/mean and /std (unbiased, as TRL's nanstd) of each function's values over the samples
-    it applied to, from `parts` (every rank's extras, or their rewards/<name> columns): validation's, logged as
-    val-aux/rewards/<name>/mean (the training step's rewards/<name>/mean are run_log.rollout_metrics')."""
+    it applied to, from `parts` (every rank's extras, or their rewards/<name> columns): the training step's
+    (run_log.rollout_metrics, one rank's) and validation's, logged as val-aux/rewards/<name>/mean."""
     values = {}
     for part in parts:
         for key, column in part.items():
