@@ -284,7 +284,9 @@ def test_a_looping_template_in_tokenizer_config_json_is_named_there_and_ends_the
     assert str(end.value).startswith(f"{where}: the chat template rendered for more than 0.25 s and was stopped")
 
 
-def test_a_bounded_template_renders_as_before_and_off_the_main_thread_says_it_is_not_bounded(tmp_path, guard):
+def test_a_bounded_template_renders_as_before_and_off_the_main_thread_says_it_is_not_bounded(
+    tmp_path, guard, monkeypatch
+):
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoTokenizer
@@ -299,7 +301,8 @@ def test_a_bounded_template_renders_as_before_and_off_the_main_thread_says_it_is
         tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
         for row in load_dataset(test)
     ]
-    for _ in range(2):  # the training data, then the validation data: bounded once
+    for batch in (data_prep.RENDER_BATCH, 2):  # the training data, then the validation data: bounded once
+        monkeypatch.setattr(data_prep, "RENDER_BATCH", batch)  # 2: the 5 prompts render in batches of 2, 2 and 1
         rows, _ = data_prep.load_prompts(test, tokenizer)
         assert [row["prompt_ids"] for row in rows] == unbounded
     bounded = tokenizer.apply_chat_template
