@@ -225,28 +225,33 @@ def block_passes(device):
     if device.type != "cuda":
         return None
     if not _PASSES:
-        _PASSES.extend(_compiled_or_not(f) for f in (block_stats, block_grad))
+        _PASSES.extend(compiled_or_not(f) for f in (block_stats, block_grad))
     return _PASSES
 
 
 _PASSES = []  # block_passes' functions, made on first use
 
 
-def _compiled_or_not(fn):
-    """fn compiled; if its first compile fails, fn itself from then on, said once on stderr."""
-    compiled, chosen = torch.compile(fn), []
+def compiled_or_not(fn, name=None, failed=None, **options):
+    """fn compiled (torch.compile(fn, **options)); if its first compile fails, fn itself from then on, said
+    once on stderr, naming `name` (fn's own by default). `failed`, a list several functions share, makes one
+    failure theirs too: policy.compile_blocks' modules say it once, and do not each try again."""
+    compiled, tried, failed = torch.compile(fn, **options), [], [] if failed is None else failed
 
-    def call(*args):
-        if not chosen:
-            try:
-                out = compiled(*args)
-                chosen.append(compiled)
-                return out
-            except Exception as e:  # noqa: BLE001  (any compiler failure: the eager function is the same math)
-                print(f"logprobs: torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); "
-                      "running it uncompiled, slower", file=sys.stderr)  # fmt: skip
-                chosen.append(fn)
-        return chosen[0](*args)
+    def call(*args, **kwargs):
+        if failed:
+            return fn(*args, **kwargs)
+        if tried:
+            return compiled(*args, **kwargs)
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001  (any compiler failure: the eager function is the same math)
+            print(f"torch.compile of {name or fn.__name__} failed ({type(e).__name__}: {e}); "
+                  "running it uncompiled, slower", file=sys.stderr)  # fmt: skip
+            failed.append(e)
+            return fn(*args, **kwargs)
+        tried.append(True)
+        return out
 
     return call
 

@@ -17,7 +17,7 @@ import export
 import lora
 import safe_write
 from distributed import full_tensor
-from logprobs import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
+from logprobs import compiled_or_not, entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
 
 # ----------------------------------------------------------------------------------------------
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
@@ -332,18 +332,45 @@ def save_hf(model, tokenizer, out_dir, rank, step=None, dtype=torch.float32):
         raise failure
 
 
-def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=False, lora_args=None, offload=False):
+def compile_blocks(model):
+    """--compile-blocks: each decoder layer's MLP and two RMSNorms, and the final norm, compiled in place by
+    torch.compile (their elementwise work fused: the SiLU product and the norms' intermediates are not kept
+    for the backward). The parts are found by attribute, as Llama, Qwen2 and SmolLM2 name them; fully_shard's
+    hooks stay on the layers, uncompiled. Rows and lengths change every step: dynamic=True makes one graph
+    per part and grad mode for all of them (a batch of one row, which torch.compile specializes, makes one
+    more), where automatic dynamic shapes compiled each part again at each new dimension that changed.
+    Where compiling fails at the first call (no Triton, no C++ compiler), uncompiled (compiled_or_not)."""
+    names = ("mlp", "input_layernorm", "post_attention_layernorm")
+    layers = [m for m in model.modules() if all(hasattr(m, a) for a in names)]
+    if not layers:
+        raise ValueError(
+            f"--compile-blocks: {type(model).__name__} has no decoder layer with {', '.join(names)} (Llama, Qwen2 "
+            "and SmolLM2 have them): run without --compile-blocks"
+        )
+    parts = [getattr(layer, a) for layer in layers for a in names]
+    parts += [m.norm for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
+    failed = []  # one failure is every part's: said once, not tried again per layer
+    for part in parts:
+        part.forward = compiled_or_not(part.forward, "--compile-blocks' MLPs and norms", failed, dynamic=True)
+    return model
+
+
+def load_policy(path, mesh, device, dtype, grad_checkpointing=False, reference=False, lora_args=None, offload=False,
+                compiled=False):  # fmt: skip
     """The policy to train and, if asked, a frozen reference copy (else None), both FSDP2-sharded
     with fp32 master weights, computing in `dtype`, their shards in CPU memory with offload (shard).
     With lora_args (rank, alpha, target modules, dropout) the policy is a PeftModel whose base is
     frozen, and there is no reference copy: the reference is the policy with its adapters off
-    (reference_logprobs)."""
+    (reference_logprobs). compiled: the policy's blocks in part (compile_blocks); the frozen copy,
+    which only runs forwards, stays uncompiled."""
     policy = load_model(path, torch.float32, device)
     if grad_checkpointing:  # recompute activations in the backward pass: less memory, more compute
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_args:
-        return shard(lora.add_adapters(policy, *lora_args), mesh, dtype, offload), None
+        policy = shard(lora.add_adapters(policy, *lora_args), mesh, dtype, offload)
+        return compile_blocks(policy) if compiled else policy, None
     policy = shard(policy, mesh, dtype, offload)  # before the reference loads: with offload, the GPU holds one copy
+    policy = compile_blocks(policy) if compiled else policy
     return policy, load_frozen(path, mesh, device, dtype, offload) if reference else None
 
 

@@ -44,6 +44,7 @@ RESUMABLE = {
     "micro_batch_tokens",
     "share_prompts",
     "grad_checkpointing",
+    "compile_blocks",  # the same math, its float ops in another order
     "offload",  # where the weights wait between uses; the numbers are the same
     "engine_logprobs",
     "test_freq",

@@ -117,8 +117,9 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
-    how = dict(grad_checkpointing=args.grad_checkpointing, reference=args.kl_coef > 0, lora_args=lora_args)
-    policy, reference = load_policy(args.model, mesh, device, dtype, offload=args.offload in ("params", "both"), **how)
+    how = dict(reference=args.kl_coef > 0, lora_args=lora_args, offload=args.offload in ("params", "both"))
+    how.update(grad_checkpointing=args.grad_checkpointing, compiled=args.compile_blocks)
+    policy, reference = load_policy(args.model, mesh, device, dtype, **how)
     teacher = (
         distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
     )

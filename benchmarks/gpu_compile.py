@@ -1,7 +1,8 @@
 """Fewer launches and fewer passes for the update on a GPU: torch.compile of the fused head's elementwise
 passes (logprobs.block_passes, shipped) and of parts of the decoder blocks (not shipped), each against the
 code before, on gpu_update.py's update (Qwen2.5-0.5B's shape, random weights, 16 prompts x 8 x 128 tokens,
-FSDP2 on one rank, bf16). The JSON (--json) is rewritten after every stage: a run cut off keeps what finished.
+FSDP2 on one rank, bf16), then --compile-blocks inside the trainer (stage 4). The JSON (--json) is rewritten
+after every stage: a run cut off keeps what finished.
 
     python benchmarks/gpu_compile.py --like DIR --gsm8k DIR --json gpu_compile.json   # H200: about 2.5 min
     python benchmarks/gpu_compile.py --dry-run --like ../shared/models/qwen2.5-0.5b-instruct --gsm8k data/gsm8k
@@ -10,12 +11,14 @@ FSDP2 on one rank, bf16). The JSON (--json) is rewritten after every stage: a ru
 before, and on CPUs) against compiled (one kernel for a block's max and shifted sums; one for its gradient,
 cast to bf16): ms, and their largest differences. 3 update, one SETTINGS entry after another on a fresh
 model: the first update (compiling), the median update, its phases, MFU, peak memory, dynamo's graphs.
+4 trainer: gpu.py's run for --trainer-steps without and with --compile-blocks: updates, first update, peak.
 --dry-run: a tiny model on the CPU with dynamo's eager backend (it checks the tracing, not the speed).
 """
 
 import argparse
 import functools
 import os
+import statistics
 import sys
 import time
 
@@ -125,6 +128,34 @@ def setting_stage(args, device, name, rate):
     return row
 
 
+def trainer_stage(args, steps):
+    """--compile-blocks inside the trainer: gpu.py's short run (the transformers engine, bf16, no KL) without
+    and with the flag. Each update's seconds (timing_s/update_actor: the first compiles), the median of the
+    rest, the peak GPU memory the trainer logs, the run's seconds. A dry run: a 2-layer model on the CPU,
+    where the trainer compiles with inductor (a C++ compiler; without one it says so and runs uncompiled)."""
+    import gpu
+
+    tiny = ["--hidden", "64", "--layers", "2", "--prompts", "2", "--group-size", "2", "--response-length", "8"]
+    work = os.path.join(os.path.dirname(os.path.abspath(args.json or "gpu_compile.json")), "gpu_compile_runs")
+    gargs = gpu.parse_args(
+        ["--like", args.like, "--gsm8k", args.gsm8k, "--work-dir", work] + (tiny if args.dry_run else [])
+    )
+    model_dir, out = gpu.build_model(gargs), {}
+    for name, flags in (("plain", []), ("compile-blocks", ["--compile-blocks"])):
+        flags += ["--test-freq=-1", "--save-freq=-1", "--no-save-model", "--no-engine-logprobs"]
+        run = gpu.run_ours(gargs, model_dir, f"trainer-{name}", steps, flags)
+        updates = [m["timing_s/update_actor"] for m in run["metrics"] if "timing_s/update_actor" in m]
+        peaks = [m["perf/max_memory_allocated_gb"] for m in run["metrics"] if "perf/max_memory_allocated_gb" in m]
+        out[name] = dict(ok=run["ok"], error=run["error"], updates_s=updates, wall_s=run["wall_s"],
+                         first_update_s=updates[0] if updates else None, peak_gib=max(peaks, default=None),
+                         update_s=statistics.median(updates[1:]) if len(updates) > 1 else None)  # fmt: skip
+        print(f"  trainer {name}: {out[name]}", flush=True)
+    a, b = out["plain"], out["compile-blocks"]
+    if a["update_s"] and b["update_s"]:
+        out.update(update_ratio=b["update_s"] / a["update_s"], compile_s=b["first_update_s"] - a["first_update_s"])
+    return out
+
+
 def main():
     global BACKEND
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,6 +165,7 @@ def main():
     p.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, dynamo's eager backend")
     p.add_argument("--budget", type=float, default=300, help="seconds; a setting that starts later is skipped")
     p.add_argument("--settings", default=";".join(SETTINGS), help="semicolon-separated, from: " + ", ".join(SETTINGS))
+    p.add_argument("--trainer-steps", type=int, default=6, help="steps of each trainer run (0: no trainer stage)")
     args = p.parse_args()
     start = time.perf_counter()
     _, _, gpu = init_distributed()  # a process group of one, for FSDP2
@@ -161,6 +193,8 @@ def main():
             continue
         rows[name] = setting_stage(args, device, name, rate)
         save("update", rows)
+    if args.trainer_steps:  # after the in-process stages: its runs are processes of their own
+        save("trainer", trainer_stage(args, 2 if args.dry_run else args.trainer_steps))
     torch.distributed.destroy_process_group()
     print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
 

@@ -155,7 +155,8 @@ def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_h
 @pytest.mark.slow
 def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8k_data):
     """benchmarks/gpu_compile.py --dry-run: the head's passes compiled (traced, the eager backend) give the
-    in-place passes' numbers, and every setting's update runs with the graphs it compiles."""
+    in-place passes' numbers, every setting's update runs with the graphs it compiles, and the trainer runs
+    with and without --compile-blocks."""
     import json
     import subprocess
 
@@ -172,3 +173,6 @@ def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8
     assert all("update_s" in row for row in rows.values()) and len(rows) == 5, rows
     assert rows["in-place head"]["graphs"] == 0 and rows["shipped"]["graphs"] >= 2
     assert rows["shipped + blocks"]["graphs"] > rows["shipped"]["graphs"]
+    trainer = stages["trainer"]  # --compile-blocks in the trainer, against without: 2 steps each
+    assert trainer["plain"]["ok"] and trainer["compile-blocks"]["ok"], trainer
+    assert len(trainer["compile-blocks"]["updates_s"]) == 2 and trainer["update_ratio"] > 0, trainer

@@ -170,6 +170,7 @@ BAD = [
     (["--max-ckpt-to-keep", "0"], "--max-ckpt-to-keep must be >= 1, or -1 for all"),
     (["--health-bands", "nope=1"], "--health-bands 'nope=1': expected name=value"),
     (["--resume", "no/such/global_step_3"], "--resume no/such/global_step_3: no such directory"),
+    (["--compile-blocks", "--offload", "params"], "--compile-blocks with --offload params: not yet run together"),
     (
         ["--share-prompts", "--grad-checkpointing"],
         "--share-prompts needs the KV cache, which --grad-checkpointing drops",

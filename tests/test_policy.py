@@ -282,3 +282,93 @@ def test_activation_memory_per_token_predicts_a_micro_batch(tmp_path):
         policy.response_logprobs(model, view, CPU, 1.0)
     held = sum(storages.values()) / 2**30
     assert abs(per_token * 4 * 50 - held) <= 0.1 * held, (per_token * 200, held)
+
+
+def lora_checkpointed(path, seed=0):
+    """The tiny model as --lora-rank 4 --grad-checkpointing make it (policy.load_policy, without FSDP2), its
+    adapters' B nonzero, so that they change the numbers, and in train mode (where checkpointing acts)."""
+    import lora
+
+    torch.manual_seed(seed)  # the adapters' A, drawn as PEFT adds them
+    model = policy.load_model(path, torch.float32, CPU)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = lora.add_adapters(model, 4, 32.0, "all-linear", 0.0).train()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def forward_backward(model, shape, seed):
+    """Logits with the adapters, their grads, and the reference's (adapters off, no grad) logits."""
+    import lora
+
+    ids = torch.randint(3, 12, shape, generator=torch.Generator().manual_seed(seed))
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    logits.logsumexp(-1).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    with torch.no_grad(), lora.reference_mode(model):
+        reference = model(input_ids=ids).logits
+    return [logits.detach(), reference, *grads]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_give_the_numbers_and_compile_once_for_any_length(tmp_path):
+    """--compile-blocks with LoRA (PEFT's Linears inside the compiled MLPs) and --grad-checkpointing (the
+    compiled parts run again in the backward), and the reference with the adapters off: the same logits and
+    gradients as uncompiled, and no new graph as the rows and lengths change (dynamic=True: one graph per
+    part and grad mode, not one per length). About 60 s cold on a busy 2-core CPU, 20 s with inductor's
+    cache of an earlier run."""
+    from torch._dynamo.utils import counters
+
+    from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
+
+    path = build_tiny_model(tmp_path / "m", TASK_WORDS)
+    plain, compiled = lora_checkpointed(path), policy.compile_blocks(lora_checkpointed(path))
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for i, shape in enumerate([(4, 20), (4, 23), (6, 31), (3, 17)]):
+        for got, want in zip(forward_backward(compiled, shape, i), forward_backward(plain, shape, i)):
+            # inductor fuses and reorders fp32 sums: measured at most 1.3e-6 of the largest entry here, against
+            # close_in_fp32's 1e-5; a dropped term or another adapter's weights are off by 1e-2 or more
+            close_in_fp32(got, want, f"shape {shape}")
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[1:] == [graphs[0]] * 3, f"recompiled for new shapes: graphs after each shape {graphs}"
+
+
+def test_a_block_whose_compile_fails_runs_uncompiled_and_says_so_once(tmp_path, monkeypatch, capsys):
+    """No C++ compiler on a CPU, no Triton on a GPU: the first call's failure is said once for all the
+    layers, and the parts run uncompiled with the same numbers, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from models import build_tiny_model
+    from tasks.digits import TASK_WORDS
+
+    path = build_tiny_model(tmp_path / "m", TASK_WORDS)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    compiled = policy.compile_blocks(AutoModelForCausalLM.from_pretrained(path))
+    ids = torch.randint(3, 12, (3, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        want = plain(input_ids=ids).logits
+        got = compiled(input_ids=ids).logits
+        assert torch.equal(got, want)
+        got.sum().backward()
+    err = capsys.readouterr().err
+    assert err.count("torch.compile of --compile-blocks' MLPs and norms failed") == 1 and "CppCompileError" in err
+    assert len(calls) == 1, "each layer tried to compile again after the first failure"
+
+
+def test_compile_blocks_names_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="has no decoder layer with mlp, input_layernorm"):
+        policy.compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -95,7 +95,7 @@ def test_a_pass_whose_compile_fails_runs_uncompiled_and_says_so(monkeypatch, cap
         raise RuntimeError("Cannot find a working triton installation")
 
     monkeypatch.setattr(torch, "compile", lambda fn: broken)
-    stats = logprobs._compiled_or_not(logprobs.block_stats)
+    stats = logprobs.compiled_or_not(logprobs.block_stats)
     z = torch.randn(5, 7)
     for _ in range(2):
         for a, b in zip(stats(z, 0.7), logprobs.block_stats(z, 0.7)):
