@@ -135,7 +135,9 @@ def trainer_stage(args, steps):
     where the trainer compiles with inductor (a C++ compiler; without one it says so and runs uncompiled)."""
     import gpu
 
+    # a dry run in fp32 on one thread, as gpu_update.py's: bf16 is emulated on CPUs without it (14x slower)
     tiny = ["--hidden", "64", "--layers", "2", "--prompts", "2", "--group-size", "2", "--response-length", "8"]
+    tiny += ["--dtype", "fp32"]
     work = os.path.join(os.path.dirname(os.path.abspath(args.json or "gpu_compile.json")), "gpu_compile_runs")
     gargs = gpu.parse_args(
         ["--like", args.like, "--gsm8k", args.gsm8k, "--work-dir", work] + (tiny if args.dry_run else [])
@@ -143,7 +145,7 @@ def trainer_stage(args, steps):
     model_dir, out = gpu.build_model(gargs), {}
     for name, flags in (("plain", []), ("compile-blocks", ["--compile-blocks"])):
         flags += ["--test-freq=-1", "--save-freq=-1", "--no-save-model", "--no-engine-logprobs"]
-        run = gpu.run_ours(gargs, model_dir, f"trainer-{name}", steps, flags)
+        run = gpu.run_ours(gargs, model_dir, f"trainer-{name}", steps, flags, threads=1 if args.dry_run else None)
         updates = [m["timing_s/update_actor"] for m in run["metrics"] if "timing_s/update_actor" in m]
         peaks = [m["perf/max_memory_allocated_gb"] for m in run["metrics"] if "perf/max_memory_allocated_gb" in m]
         out[name] = dict(ok=run["ok"], error=run["error"], updates_s=updates, wall_s=run["wall_s"],

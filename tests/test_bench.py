@@ -153,7 +153,7 @@ def test_the_gpu_update_script_dry_runs_every_stage_on_the_cpu(tmp_path, gsm8k_h
 
 
 @pytest.mark.slow
-def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8k_data):
+def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8k_head):
     """benchmarks/gpu_compile.py --dry-run: the head's passes compiled (traced, the eager backend) give the
     in-place passes' numbers, every setting's update runs with the graphs it compiles, and the trainer runs
     with and without --compile-blocks."""
@@ -164,7 +164,7 @@ def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8
 
     need(QWEN_DIR)
     out = tmp_path / "gpu_compile.json"
-    cmd = [sys.executable, "benchmarks/gpu_compile.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_data)]
+    cmd = [sys.executable, "benchmarks/gpu_compile.py", "--dry-run", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_head)]
     proc = subprocess.run(cmd + ["--json", str(out)], cwd=common.REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stages = json.loads(out.read_text())["stages"]

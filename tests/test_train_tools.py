@@ -34,8 +34,8 @@ def runs(tmp_path_factory, qwen_tool_model, gsm8k_head):
         *"--max-response-length 64 --max-tool-response-length 24 --max-prompt-length 512 --val-max-prompts 8".split(),
         *"--dtype fp32 --lr 1e-3 --prompt-batch-size 4 --mini-batch-size 4".split(),  # 16 samples: the head is costly
     ]
-    train(root / "ranks1", *flags)
-    train(root / "ranks2", *flags, ranks=2)
+    train(root / "ranks1", *flags, "--save-freq", "-1")  # the references save nothing: saving must change nothing
+    train(root / "ranks2", *flags, "--save-freq", "-1", ranks=2)
     train(root / "killed", *flags, crash_at="update:3")
     train(root / "killed", *flags)
     return root, flags
@@ -89,8 +89,8 @@ def test_a_rollout_rank_holds_the_conversations_a_colocated_rank_would(runs, tmp
     """--rollout-ranks 1 --max-staleness 1: the tool worker runs on the rollout rank; the trainer gets the
     conversations (their masks, turns and tool counts) and trains exactly as one colocated rank at S = 1."""
     _, flags = runs
-    train(tmp_path / "colocated", *flags, "--max-staleness", "1")
-    train(tmp_path / "split", *flags, "--max-staleness", "1", "--rollout-ranks", "1", ranks=2)
+    train(tmp_path / "colocated", *flags, "--max-staleness", "1", "--save-freq", "-1")
+    train(tmp_path / "split", *flags, "--max-staleness", "1", "--rollout-ranks", "1", "--save-freq", "-1", ranks=2)
     assert_same_run(tmp_path / "colocated", tmp_path / "split")
     a, b = metrics(tmp_path / "colocated"), metrics(tmp_path / "split")
     for key in COMPARED.split():
