@@ -239,11 +239,11 @@ class Args:
     """Recompute activations in the backward pass to save memory."""
     compile_blocks: bool = False
     """torch.compile the policy's MLPs and RMSNorms in every decoder layer, and its final norm (TRL's
-    torch_compile compiles the whole model). On one H200, in-process: the update went from 20.1 to 27.0 percent
-    MFU, its peak 7.4 GiB lower (docs/benchmarks/gpu.md); not yet run inside the trainer on a GPU. On a CPU it
-    is slower (1.15x, fp32). The first update compiles (about a minute on a CPU); where compiling fails (no
-    Triton, no C++ compiler), they run uncompiled, said on stderr. Works with LoRA and --grad-checkpointing;
-    not with --offload params."""
+    torch_compile compiles the whole model). On one H200, in-process: the update went from 20.1 to 27.0
+    percent MFU, its peak 7.4 GiB lower (docs/benchmarks/gpu.md); not yet run inside the trainer on a GPU.
+    On a CPU it made no clear difference (0.94x, fp32). The first update compiles (34 s cold on 2 CPU
+    cores); where compiling fails (no Triton, no C++ compiler), they run uncompiled, said on stderr. Works
+    with LoRA and --grad-checkpointing; not with --offload params."""
     offload: str = one_of("none", ("none", "optimizer", "params", "both"))
     """Keep parts of the policy in CPU memory, to fit a larger model on a GPU (verl's param_offload and
     optimizer_offload). optimizer: AdamW's two states live in CPU memory and visit the GPU for each
