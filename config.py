@@ -101,6 +101,13 @@ class Args:
     """Share of GPU memory vLLM may take (CUDA only)."""
     tensor_parallel_size: int = rule(1, ">= 1", lambda v: v >= 1)
     """vLLM tensor parallelism: this many consecutive ranks share one engine (a divisor of the ranks)."""
+    engine_shares_policy: bool = True
+    """With the transformers engine (--rollout hf) on one rank: generate with the policy's own weights, as TRL
+    does without vLLM: no second copy, no weight sync. Not with LoRA or --offload params, which keep the engine's
+    own copy, synced every step, as two or more ranks do; so does --no-engine-shares-policy."""
+    cuda_graphs: bool = True
+    """The transformers engine on CUDA: each new token is one replay of a CUDA graph of the decode step (a static
+    KV cache; captured once per batch), not a Python launch of every kernel. --no-cuda-graphs: eagerly."""
     # --- update
     ppo_epochs: int = rule(1, ">= 1", lambda v: v >= 1)
     """Passes over each step's rollouts."""
@@ -276,6 +283,9 @@ class Args:
     """Let vLLM print its start-up configuration and per-step messages (off: only its warnings and errors)."""
     save_model: bool = True
     """Save the final policy in Hugging Face format to <out-dir>/final_model."""
+    profile_step: int = rule(0, ">= 0 (0: none)", lambda v: v >= 0)
+    """Record this training step with torch.profiler (0: none): its ops and CUDA kernels by self time, with the
+    step's phases, in OUT_DIR/profile_step_N.txt (verl's global_profiler.steps, for one step)."""
     save_freq: int = rule(50, ">= 1, or -1 for no checkpoints", lambda v: v == -1 or v >= 1)
     """Checkpoint every this many steps and after the last one (-1: no checkpoints)."""
     max_ckpt_to_keep: int = rule(-1, ">= 1, or -1 for all", lambda v: v == -1 or v >= 1)
@@ -340,6 +350,10 @@ def check_args(args, world=1, cuda=None):
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
+        (
+            a.engine_shares_policy or a.rollout != "vllm",
+            "--no-engine-shares-policy is a setting of the transformers engine (--rollout hf); vLLM always has its own copy",
+        ),
         *timeout_rules(a),  # a reward function's or a tool's call must end before the other ranks give up waiting
         *placement_rules(a, world),
         (a.lora_target_modules.strip(",") != "", "--lora-target-modules must name modules, or be all-linear"),

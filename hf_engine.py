@@ -5,6 +5,7 @@ and the same log-probs, computed as vLLM's sampler computes them.
 
 import gc
 import os
+import sys
 
 import torch
 
@@ -38,26 +39,39 @@ class HFEngine:
         seed=0,
         device=None,
         max_batch_size=64,
+        shares_policy=False,
+        cuda_graphs=True,
         verbose=False,
         **unused,
     ):
+        """shares_policy (one rank): load no model; generate with the policy's own weights, given by share().
+        cuda_graphs: on CUDA, each new token is one replay of a captured decode step (GraphDecoder)."""
         # `verbose` is accepted for VLLMEngine's sake: this engine prints nothing of its own
         check_model_path(model_path)
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # eval.py under torchrun: one GPU per rank
         self.device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
-        self.model = self.model.to(self.device).eval()
+        self.shares_policy, self.policy, self.model, self.tensors = shares_policy, None, None, {}
+        if not shares_policy:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
+            self.model = self.model.to(self.device).eval()
+            # name -> tensor in the model; a tied lm_head.weight is the same tensor as the embedding
+            self.tensors = self.model.state_dict(keep_vars=True)
         self.model_path = str(model_path)
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size
+        self.graphs = cuda_graphs and self.device.type == "cuda"
         self.eos_ids = stop_token_ids(model_path)  # as vLLM: any EOS of the generation config or the tokenizer
         self.tokenizer = None  # loaded when a stop string is first asked for
-        self.pad_id = getattr(self.model.config, "pad_token_id", None) or 0  # any id works: padding is masked out
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=False)
+        self.pad_id = getattr(config, "pad_token_id", None) or 0  # any id works: padding is masked out
         self.rng = torch.Generator().manual_seed(seed)  # draws prompt seeds when the caller gives none
-        # name -> tensor in the model; a tied lm_head.weight is the same tensor as the embedding
-        self.tensors = self.model.state_dict(keep_vars=True)
+
+    def share(self, policy):
+        """Generate with `policy`'s own weights from now on (one rank, shares_policy): wake_up gathers them
+        into a plain transformers model (policy.gathered_model), sleep frees them. Nothing to copy or sync."""
+        self.policy = policy
 
     @torch.no_grad()
     def generate(
@@ -98,8 +112,6 @@ class HFEngine:
     def _generate_batch(self, rollout, prompts, seeds, sampling, max_new_tokens, stops):
         """Sample one response per row of `prompts` and append them to `rollout`. sampling: (temperature,
         top_k, top_p); max_new_tokens: one per row; stops: (stop token ids, stop strings)."""
-        from transformers import DynamicCache
-
         (temperature, top_k, top_p), (stop_ids, stop_strings) = sampling, stops
         B, T0, dev = len(prompts), max(len(p) for p in prompts), self.device
         if T0 >= self.max_model_len:
@@ -117,25 +129,15 @@ class HFEngine:
             mask[i, T0 - len(p) :] = 1
         # each row draws all its uniforms up front from its own generator, so a row's samples do not
         # depend on the rest of the batch, and sampling a step is one batched op: [B, steps]
-        uniforms = torch.stack(
-            [torch.rand(int(budget.max()), generator=torch.Generator().manual_seed(s)) for s in seeds]
-        ).to(dev)
+        steps = int(budget.max())
+        uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(dev)
         eos = torch.tensor(sorted(stop_ids), device=dev)
         ends, generated = [None] * B, [[] for _ in range(B)]  # where a stop string ended each row; tokens
-        cache = DynamicCache(config=self.model.config)
+        decoder = (GraphDecoder if self.graphs else CacheDecoder)(self.model, mask, steps)
+        logits = decoder.prefill(input_ids)  # [B, V] fp32: each row's first new token
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         tokens, logps = [], []  # per step, [B] each
-        for step in range(int(budget.max())):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]  # left padding shifts them
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1].float()  # [B, V] fp32
+        for step in range(steps):
             if temperature == 0:  # greedy; log-prob at temperature 1 (vLLM does the same)
                 tok = logits.argmax(-1)  # [B]
                 logp = torch.log_softmax(logits, -1)  # [B, V]
@@ -155,8 +157,10 @@ class HFEngine:
             done |= at_eos | (step + 1 >= budget)
             if done.all():
                 break
-            input_ids = tok[:, None]  # [B, 1]; finished rows keep going, their tokens are cut below
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            logits = decoder.step(tok)  # finished rows keep going, their tokens are cut below
+        if getattr(decoder, "failed", None) and self.graphs:  # said once; the eager steps from now on
+            self.graphs = False
+            print(f"hf_engine: CUDA graphs off, decoding eagerly: {decoder.failed}", file=sys.stderr, flush=True)
 
         tokens, logps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()  # [B, T]
         for i in range(B):
@@ -197,6 +201,8 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors):
         """Copy (hf_name, full tensor) pairs into the model in place, one at a time."""
+        if self.shares_policy:
+            raise RuntimeError("update_weights: this engine generates with the policy's own weights; nothing to copy")
         for name, tensor in named_tensors:
             if name not in self.tensors:
                 raise KeyError(
@@ -205,16 +211,141 @@ class HFEngine:
                 )
             self.tensors[name].copy_(tensor)  # also updates a tied lm_head, which shares the tensor
 
+    def wake_up(self):
+        """Before generating: with shares_policy, gather the policy's weights (policy.gathered_model); else, on
+        CUDA, move the model back from the CPU."""
+        if self.shares_policy:
+            from policy import gathered_model
+
+            self.model = gathered_model(self.policy)
+        else:
+            self.model.to(self.device)
+
     def sleep(self):
-        """Move the model to CPU while training, to free GPU memory for it; a no-op on CPU. The cache is
-        not emptied: the trainer, in this process, reuses the freed blocks, where an emptied cache made
-        every update map its memory afresh (0.56 s against 0.38 s per update on an H200, BENCHMARKS.md)."""
-        if self.device.type == "cuda":
+        """While training: with shares_policy, free the gathered weights (the trainer gathers its own); else, on
+        CUDA, move the model to CPU to free GPU memory for training (a no-op on CPU). The cache is not emptied:
+        the trainer, in this process, reuses the freed blocks, where an emptied cache made every update map its
+        memory afresh (0.56 s against 0.38 s per update on an H200, BENCHMARKS.md)."""
+        if self.shares_policy:
+            from policy import reshard
+
+            self.model = None
+            if self.policy is not None:
+                reshard(self.policy)
+        elif self.device.type == "cuda":
             self.model.to("cpu")  # moves the data of the same Parameters, so self.tensors stays valid
 
-    def wake_up(self):
-        self.model.to(self.device)
-
     def close(self):
-        self.model = self.tensors = None
+        self.model = self.tensors = self.policy = None
         gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: the forward passes of one batch, the prompts' then one per new token
+
+
+class CacheDecoder:
+    """transformers' DynamicCache, grown by one position per token; each forward launches every layer's
+    kernels from Python. What the CPU runs (there it measures no slower than GraphDecoder's eager steps)."""
+
+    def __init__(self, model, mask, steps):
+        self.model, self.mask, self.cache = model, mask, None  # mask [B, T]: 1 on real tokens
+
+    def prefill(self, input_ids):
+        """The logits of each row's first new token, fp32 [B, V], from its left-padded prompt [B, T0]."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        return self._forward(input_ids)
+
+    def step(self, tok):
+        """The next logits [B, V] after each row's new token tok [B]."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=-1)
+        return self._forward(tok[:, None])
+
+    def _forward(self, input_ids):
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]  # left padding shifts them
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.past_key_values
+        return out.logits[:, -1].float()
+
+
+class GraphDecoder:
+    """A decode step whose every tensor keeps its address, so that CUDA can replay it: a StaticCache of T0 +
+    steps positions, the attention masks made here as [B, 1, query, key] booleans (transformers uses a 4D mask
+    as given), and the inputs, positions and masks updated in place. The first step runs eagerly, is then
+    captured as a CUDA graph, and every later token is one replay: one launch in place of each layer's kernels
+    launched from Python, which made the eager loop CPU-bound on a GPU. Off CUDA every step runs eagerly (the
+    tests compare it with CacheDecoder). If capturing fails, the steps run eagerly and `failed` says why."""
+
+    def __init__(self, model, mask, steps):
+        from transformers import StaticCache
+
+        B, T0 = mask.shape
+        dev, L = mask.device, T0 + steps
+        self.model, self.cache = model, StaticCache(config=model.config, max_cache_len=L)
+        real = torch.zeros((B, L), dtype=torch.bool, device=dev)  # [B, L] the prompts' real tokens
+        real[:, :T0] = mask.bool()
+        q, k = torch.arange(T0, device=dev)[:, None], torch.arange(L, device=dev)[None, :]
+        # a prompt position sees the real tokens up to itself; a padding position itself only (else no key: NaN)
+        self.prefill_mask = ((k <= q) & real[:, None, :] | (k == q))[:, None]  # [B, 1, T0, L]
+        self.prefill_positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T0]
+        self.visible = real[:, None, None, :].clone()  # [B, 1, 1, L] what a new token sees; grows by one a step
+        self.ids = torch.zeros((B, 1), dtype=torch.long, device=dev)  # the token being fed
+        self.position = mask.sum(-1, keepdim=True)  # [B, 1] its position: the first new token's is the prompt's length
+        self.slot = torch.full((1,), T0, dtype=torch.long, device=dev)  # its place in the cache
+        self.graph, self.out, self.failed = None, None, None
+
+    def prefill(self, input_ids):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self.prefill_mask,
+            position_ids=self.prefill_positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def _decode(self):
+        """One token per row: ids at `position`, written to the cache at `slot`; then both move on by one."""
+        self.visible.index_fill_(-1, self.slot, True)
+        out = self.model(
+            input_ids=self.ids,
+            attention_mask=self.visible,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.position.add_(1)
+        self.slot.add_(1)
+        return out.logits[:, -1].float()  # [B, V]
+
+    def step(self, tok):
+        self.ids.copy_(tok[:, None])
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out.clone()  # the graph writes the next step's logits into the same tensor
+        if self.ids.device.type != "cuda" or self.failed is not None:
+            return self._decode()
+        # the first step: eagerly, on a side stream (as torch.cuda.graph's documentation warms up), then captured
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self._decode()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # records a step; runs nothing
+                self.out = self._decode()
+            self.graph = graph
+        except Exception as e:  # e.g. a model whose forward reads a value back from the GPU
+            self.failed = f"{type(e).__name__}: {e}"
+        return logits

@@ -45,11 +45,14 @@ def make_engine(kind, model_path, *, verbose=False, **kwargs):
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")
 
 
-def start_engine(args, world, ranks_here, device, dtype):
+def start_engine(args, world, ranks_here, device, dtype, trains=True):
     """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype). With
     --tensor-parallel-size T, each T consecutive ranks run one engine together and generate their
-    group's prompts (collect_rollout)."""
+    group's prompts (collect_rollout). trains: this rank also trains (not a rollout rank)."""
     groups = world // args.tensor_parallel_size
+    # one rank that trains: the transformers engine generates with the policy's own weights (HFEngine.share), but
+    # not with LoRA (it takes the merged weights) or --offload params (it would copy each layer in per token)
+    shares_policy = args.engine_shares_policy and trains and world == 1 and not args.lora_rank
     return make_engine(
         args.rollout,
         args.model,
@@ -62,6 +65,8 @@ def start_engine(args, world, ranks_here, device, dtype):
         device=device,
         verbose=args.verbose,
         max_batch_size=args.prompt_batch_size // groups * args.group_size,  # HFEngine: a step's rollout in one batch
+        shares_policy=shares_policy and args.offload not in ("params", "both"),  # HFEngine
+        cuda_graphs=args.cuda_graphs,  # HFEngine
         sequences=args.prompt_batch_size // groups * args.group_size,  # vLLM's KV cache on CPU: the same rollout
         memory_gib=free_memory_gib(device, ranks_here),
     )

@@ -23,7 +23,7 @@ def run(args, placement, rank, world, device):
     tokenizer, _, eos_ids, tools = startup.tokenizer_and_tools(args)
     train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
     reward_fn = startup.reward_fn(args, train_rows, val_rows)
-    engine = start_engine(args, world, here, device, dtype)  # first: it sets the process's thread count
+    engine = start_engine(args, world, here, device, dtype, trains=False)  # first: it sets the thread count
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     scoring = dict(args=args, tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, device=device)

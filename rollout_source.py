@@ -66,7 +66,10 @@ class Colocated:
         )
 
     def publish(self, policy, version):
-        """The new weights into the engine, then a check that it serves them (weight_sync.py)."""
+        """The new weights into the engine, then a check that it serves them (weight_sync.py). An engine that
+        generates with the policy's own weights has nothing to take (rollout/weights_shared)."""
+        if getattr(self.engine, "shares_policy", False):
+            return
         self.gap = sync_and_check(
             self.engine, policy, self.dtype, version=version, dtype_name=self.args.dtype, **self.probe
         )
@@ -85,9 +88,10 @@ class Colocated:
         )
 
     def metrics(self, ro, staleness):
+        shared = {"rollout/weights_shared": 1.0} if getattr(self.engine, "shares_policy", False) else {}
         if not self.args.max_staleness:
-            return {}
-        return staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
+            return shared
+        return shared | staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
 
     def start(self, step):
         pass  # the engine is this rank's: nothing to tell

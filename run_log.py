@@ -316,7 +316,41 @@ def json_line(row):
 
 @contextmanager
 def timed(timing, name):
-    """with timed(timing, "gen"): ...  adds the block's wall time in seconds to timing["gen"]."""
+    """with timed(timing, "gen"): ...  adds the block's wall time in seconds to timing["gen"] (and names the
+    block in a --profile-step profile)."""
     start = time.perf_counter()
-    yield
+    with torch.profiler.record_function(name):
+        yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def start_profile(step, args):
+    """--profile-step N: a torch.profiler recording step N, the CPU's ops and CUDA's kernels; None at other steps."""
+    if step != args.profile_step:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+    profiler.start()
+    return profiler
+
+
+def end_profile(profiler, step, args, rank):
+    """Stop start_profile's recording; rank 0 writes its ops by self time on the GPU (on CUDA) and on the CPU, with
+    the step's phases (timed's names) among them, to OUT_DIR/profile_step_N.txt."""
+    if profiler is None:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler.stop()
+    if rank != 0:
+        return
+    events, path = profiler.key_averages(), os.path.join(args.out_dir, f"profile_step_{step}.txt")
+    sorts = (["self_device_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+    with open(path, "w") as f:
+        for key in sorts:
+            f.write(
+                f"step {step}, sorted by {key}\n{events.table(sort_by=key, row_limit=40, max_name_column_width=60)}\n"
+            )
+    print0(f"profile of step {step}: {path}")

@@ -70,7 +70,7 @@ from policy import (
     window,
 )
 from rollout import start_engine
-from run_log import RunLog, sample_records, should_stop, step_metrics, timed
+from run_log import RunLog, end_profile, sample_records, should_stop, start_profile, step_metrics, timed
 from user_errors import record_root_cause
 from weight_sync import check_rollout
 
@@ -125,7 +125,9 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
     )
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
     fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
-    if engine:
+    if getattr(engine, "shares_policy", False):  # one rank, the transformers engine: no copy of its own
+        engine.share(policy)
+    elif engine:
         engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
@@ -326,7 +328,7 @@ def main():
     for step in range(start_step + 1, total_steps + 1):
         if asked:  # SIGTERM or SIGINT: the steps done so far are saved after the loop
             break
-        timing, t_step = {}, time.perf_counter()
+        timing, t_step, profiler = {}, time.perf_counter(), start_profile(step, args)  # --profile-step
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
         rng_before = rng.get_state()  # what a checkpoint of step - 1 holds, if this step is abandoned
 
@@ -363,6 +365,7 @@ def main():
         with timed(timing, "update_weights"):
             source.publish(policy, version=step)
         timing["step"] = time.perf_counter() - t_step
+        end_profile(profiler, step, args, rank)
 
         # ---- metrics, verl's names, reduced over ranks
         adv_values = advantages[mask.bool()] if advantages.dim() == 2 else advantages  # per token, or per sample

@@ -1,9 +1,12 @@
 """The CUDA paths on one GPU, and the figures only a GPU gives: our GRPO step on a Qwen2.5-0.5B-shaped
-model against TRL's GRPOTrainer doing the same work, peak memory with and without --offload and
---grad-checkpointing, and the update's MFU against this GPU's measured bf16 matmul rate.
+model against TRL's GRPOTrainer doing the same work, with its phases and a profile of one step; the same
+step as it ran before the transformers engine shared the policy's weights and decoded with CUDA graphs
+(the baseline); with --compile-blocks; peak memory with and without --offload and --grad-checkpointing;
+and the update's MFU against this GPU's measured bf16 matmul rate.
 
-    python benchmarks/gpu.py --like ../shared/models/qwen2.5-0.5b-instruct --gsm8k data/gsm8k   # ~15 min, H100
-    python benchmarks/gpu.py --like ... --gsm8k ... --hidden 128 --layers 2 --steps 3 ...        # a CPU dry run
+    python benchmarks/gpu.py --like ../shared/models/qwen2.5-0.5b-instruct --gsm8k data/gsm8k \
+        --skip eval,memory,resume --json gpu.json                                  # ~6 min, H100/H200
+    python benchmarks/gpu.py --like ... --gsm8k ... --hidden 128 --layers 2 --steps 3 ...   # a CPU dry run
 
 The model is Qwen2.5-0.5B's config with random weights and the real tokenizer and chat template
 (models.build_random_model): 494M parameters, the 151,936-row tied head. Random weights write no EOS,
@@ -11,7 +14,8 @@ so every answer runs to --response-length and both systems do the same work per 
 fresh process, started as a user starts it (runners.py): ours under torchrun with the transformers
 engine (`--rollout hf`; no vLLM on this image) in bf16, TRL's GRPOTrainer with bf16=True and
 model.generate, the same prompts in the same order, no KL term, one optimizer step per rollout. The
-comment above main() lists what runs, in order; a run that fails is reported and the rest go on.
+comment above main() lists what runs, in order; a run that fails is reported and the rest go on, and
+the JSON is written after each.
 """
 
 import argparse
@@ -41,12 +45,16 @@ def parse_args(argv=None):
     p.add_argument("--response-length", type=int, default=128, help="new tokens per sample (all of them: no EOS)")
     p.add_argument("--micro-batch-tokens", type=int, default=32768, help="ours: tokens per forward/backward")
     p.add_argument("--trl-passes", type=int, default=2, help="TRL: forward/backward passes per step")
-    p.add_argument("--steps", type=int, default=20, help="steps of our timed run")
+    p.add_argument("--steps", type=int, default=10, help="steps of our timed run")
+    p.add_argument("--profile-step", type=int, default=None, help="ours: the step profiled (default: the last but one)")
     p.add_argument("--trl-steps", type=int, default=6, help="steps of TRL's run")
+    p.add_argument("--other-steps", type=int, default=6, help="steps of the baseline and --compile-blocks runs")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each timed run left out")
     p.add_argument("--memory-steps", type=int, default=2, help="steps of each memory run")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: ours, eval, trl, memory, resume")
+    p.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: ours, eval, trl, baseline, compile, memory, resume"
+    )
     p.add_argument("--memory", default="", help="comma-separated memory runs to do (default: all)")
     p.add_argument("--json", default="", help="also write every measurement to this file")
     return p.parse_args(argv)
@@ -148,9 +156,21 @@ def run_ours(args, model_dir, name, steps, flags=(), out_dir=None, crash_at=None
     shared = not {"--no-share-prompts", "--grad-checkpointing"} & set(flags)  # train_grpo's own rule
     records = step_records(lines, P, n, shared)
     print(f"  {name}: {'ok' if ok else 'FAILED: ' + error} ({time.perf_counter() - t:.0f} s)", flush=True)
+    text = open(log, errors="replace").read() if os.path.isfile(log) else ""
     if not ok:
-        print("    " + "\n    ".join(open(log, errors="replace").read().splitlines()[-8:]), flush=True)
-    return dict(name=name, ok=ok, error=error, log=log, records=records, metrics=lines, wall_s=time.perf_counter() - t)
+        print("    " + "\n    ".join(text.splitlines()[-8:]), flush=True)
+    run = dict(name=name, ok=ok, error=error, log=log, records=records, metrics=lines, wall_s=time.perf_counter() - t)
+    # how the engine decoded: hf_engine says once if it fell back from CUDA graphs, and why
+    run["cuda_graphs_off"] = [line for line in text.splitlines() if "CUDA graphs off" in line][:1]
+    run["weights_shared"] = any(m.get("rollout/weights_shared") for m in lines)
+    gap = [m["training/rollout_logprob_diff_max"] for m in lines if "training/rollout_logprob_diff_max" in m]
+    run["engine_gap_max"] = max(gap, default=None)  # the engine's log-probs against the trainer's, every token
+    profiled = [f for f in os.listdir(out_dir) if f.startswith("profile_step_")] if os.path.isdir(out_dir) else []
+    for f in profiled:  # that step ran under the profiler: its times are not the others'
+        step = int(f.removeprefix("profile_step_").removesuffix(".txt"))
+        run["profile"] = dict(step=step, table=open(os.path.join(out_dir, f)).read().splitlines())
+        run["records"] = [r for r in records if r["step"] != step]
+    return run
 
 
 def peak(run):
@@ -171,15 +191,19 @@ def phase_table(run, warmup):
     return rows
 
 
-# What runs, in order; a run that fails is reported and the rest go on (on an H100: ours 4 min, TRL
-# 1.5 min, each memory run 1 to 2 min; --skip and --memory choose):
+# What runs, in order; a run that fails is reported and the rest go on (on an H200: ours 1.5 min, TRL
+# 1.5 min, the baseline and the compiled run 1.5 min each, each memory run 1 to 2 min; --skip and --memory choose):
 #   1. the bf16 matmul rate, at 8192^3 and at the model's MLP shape (CUDA events, median);
-#   2. ours, --steps steps, validating every --steps // 2, the final model saved; then eval.py on that
-#      final model (the transformers engine on CUDA, standalone);
+#   2. ours, --steps steps (the engine on the policy's own weights, CUDA graphs), one validation at the end, the
+#      final model saved, --profile-step profiled (left out of the medians); then eval.py on that final model
+#      (the transformers engine on CUDA, standalone);
 #   3. TRL, --trl-steps steps of the same work;
-#   4. peak memory: ours for --memory-steps steps, plain, with --offload optimizer, with --offload
+#   4. the baseline: ours as before 2026-11-28, --other-steps steps (the engine's own copy of the weights, synced
+#      every step, and the eager decode loop: --no-engine-shares-policy --no-cuda-graphs);
+#   5. ours with --compile-blocks, --other-steps steps;
+#   6. peak memory: ours for --memory-steps steps, plain, with --offload optimizer, with --offload
 #      params, with --grad-checkpointing (alone and with --offload params), and with LoRA;
-#   5. resume: the --offload optimizer run (a checkpoint every step) continued one more step.
+#   7. resume: the --offload optimizer run (a checkpoint every step) continued one more step.
 def main():
     args = parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -232,12 +256,11 @@ def main():
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2, default=str)
 
-    # ---- 2. ours: the timed run, with checkpoints, a validation and the final model
+    # ---- 2. ours: the timed run, with a profiled step, a validation and the final model
     if "ours" not in skip:
-        half = max(1, args.steps // 2)
-        runs["ours"] = run_ours(
-            args, model_dir, "ours", args.steps, [f"--test-freq={half}", "--save-freq=-1", "--no-engine-logprobs"]
-        )
+        profile_step = args.profile_step if args.profile_step is not None else max(1, args.steps - 1)
+        flags = [f"--test-freq={args.steps}", "--save-freq=-1", f"--profile-step={profile_step}"]
+        runs["ours"] = run_ours(args, model_dir, "ours", args.steps, flags)
         save()
         final = os.path.join(args.work_dir, "runs", "ours", "out", "final_model")
         if "eval" not in skip and os.path.isfile(os.path.join(final, "config.json")):
@@ -303,7 +326,14 @@ def main():
         runs["trl"] = run
         save()
 
-    # ---- 4. peak memory; 5. resume
+    # ---- 4. the baseline; 5. --compile-blocks
+    others = [("baseline", ["--no-engine-shares-policy", "--no-cuda-graphs"]), ("compile", ["--compile-blocks"])]
+    for name, flags in others:
+        if name not in skip:
+            runs[name] = run_ours(args, model_dir, name, args.other_steps, flags + ["--test-freq=-1", "--save-freq=-1"])
+            save()
+
+    # ---- 6. peak memory; 7. resume
     memory = [
         ("plain", []),
         ("offload-optimizer", ["--offload=optimizer", "--save-freq=1"]),
@@ -335,7 +365,8 @@ def main():
 
     # ---- the tables
     w = args.warmup
-    for name in ("ours", "trl"):
+    compared = ("ours", "trl", "baseline", "compile")
+    for name in compared:
         if runs.get(name, {}).get("records"):
             print_table(
                 f"{name}: where a step's time goes (median of steps > {w}, s)",
@@ -343,7 +374,7 @@ def main():
                 phase_table(runs[name], w),
             )
     rows, summary = [], {}
-    for name in ("ours", "trl"):
+    for name in compared:
         run = runs.get(name)
         kept = [r for r in (run or {}).get("records", []) if r["step"] > w]
         if not kept:
@@ -361,7 +392,11 @@ def main():
             update_tflops=mfu["gflops"] / 1e3,
             peak_gib=peak(run),
             steps=len(kept),
+            phases_s={k: statistics.median(r[k] for r in kept) for k in kept[0] if k.endswith("_s")},
         )
+        for key in ("cuda_graphs_off", "weights_shared", "engine_gap_max"):
+            if key in run:
+                summary[name][key] = run[key]
         rows.append(
             [
                 name,
@@ -381,9 +416,14 @@ def main():
             ["system", "steps", "step s", "gen tok/s", "tok/s", "update s", "update TFLOP/s", "MFU", "peak GiB"],
             rows,
         )
-    if "ours" in summary and "trl" in summary:
-        summary["speedup"] = summary["trl"]["step_s"] / summary["ours"]["step_s"]
-        print(f"ours is {summary['speedup']:.2f}x faster per step than TRL on the same work", flush=True)
+    for other, what in (("trl", "TRL"), ("baseline", "the baseline (before 2026-11-28)")):
+        if "ours" in summary and other in summary:
+            summary[f"speedup_vs_{other}"] = summary[other]["step_s"] / summary["ours"]["step_s"]
+            print(f"ours is {summary[f'speedup_vs_{other}']:.2f}x faster per step than {what} on the same work")
+    if runs.get("ours", {}).get("profile"):
+        profile = runs["ours"]["profile"]
+        print(f"\nours, step {profile['step']} under torch.profiler (the first 30 lines of its table):")
+        print("\n".join(profile["table"][:30]), flush=True)
     states = 8 * n_params / 2**30  # AdamW's two fp32 moments
     gap = "training/rollout_logprob_diff_max"
     mem_rows = [

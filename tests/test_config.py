@@ -85,6 +85,8 @@ BAD = [
     (["--entropy-coef", "-0.01"], "--entropy-coef must be >= 0"),
     (["--tis-cap", "0.5"], "--tis-cap must be >= 1"),
     (["--tis-cap", "2", "--no-engine-logprobs"], "--tis-cap needs the engine's log-probs"),
+    (["--rollout", "vllm", "--no-engine-shares-policy"], "--no-engine-shares-policy is a setting of the transformers"),
+    (["--profile-step", "-1"], "--profile-step must be >= 0 (0: none)"),
     (
         ["--prompt-batch-size", "64", "--mini-batch-size", "48"],
         "--prompt-batch-size (64) must be a multiple of --mini-batch-size (48)",
@@ -224,6 +226,8 @@ FREE = {
     "filter_groups",
     "mask_truncated",
     "reward",  # its rules are BAD's --no-reward cases
+    "engine_shares_policy",  # its rule is BAD's --no-engine-shares-policy case
+    "cuda_graphs",  # a no-op off CUDA, so a command runs unchanged on both
 }
 
 
