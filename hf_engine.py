@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from engine import Rollout, per_prompt, sample_seeds, stop_token_ids
 from model_dir import check_model_path
@@ -70,7 +71,7 @@ class HFEngine:
 
     def share(self, policy):
         """Generate with `policy`'s own weights from now on (one rank, shares_policy): wake_up gathers them
-        into a plain transformers model (policy.gathered_model), sleep frees them. Nothing to copy or sync."""
+        into a plain transformers model (gathered_model), sleep frees them. Nothing to copy or sync."""
         self.policy = policy
 
     @torch.no_grad()
@@ -212,11 +213,9 @@ class HFEngine:
             self.tensors[name].copy_(tensor)  # also updates a tied lm_head, which shares the tensor
 
     def wake_up(self):
-        """Before generating: with shares_policy, gather the policy's weights (policy.gathered_model); else, on
-        CUDA, move the model back from the CPU."""
+        """Before generating: with shares_policy, gather the policy's weights (gathered_model); else, on CUDA,
+        move the model back from the CPU."""
         if self.shares_policy:
-            from policy import gathered_model
-
             self.model = gathered_model(self.policy)
         else:
             self.model.to(self.device)
@@ -227,17 +226,38 @@ class HFEngine:
         the trainer, in this process, reuses the freed blocks, where an emptied cache made every update map its
         memory afresh (0.56 s against 0.38 s per update on an H200, BENCHMARKS.md)."""
         if self.shares_policy:
-            from policy import reshard
-
             self.model = None
-            if self.policy is not None:
-                reshard(self.policy)
+            for module in self.policy.modules() if self.policy is not None else []:
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # frees what gathered_model gathered
         elif self.device.type == "cuda":
             self.model.to("cpu")  # moves the data of the same Parameters, so self.tensors stays valid
 
     def close(self):
         self.model = self.tensors = self.policy = None
         gc.collect()
+
+
+def gathered_model(policy):
+    """One rank: the FSDP2 policy as a plain transformers model whose tensors are the weights FSDP2 gathers for
+    a forward (bf16 ones with --dtype bf16): no second copy, and no FSDP2 hooks between the kernels. The same
+    class built on the meta device (no memory), then each of its parameters and buffers replaced by the
+    policy's own tensor of that name (a tied head by the same one). Valid until the policy reshards."""
+    from transformers import AutoModelForCausalLM
+
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()  # on one rank a copy of the shard, cast to the compute dtype
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(policy.config, attn_implementation=policy.config._attn_implementation)
+    for kind, named in (("_parameters", policy.named_parameters), ("_buffers", policy.named_buffers)):
+        for name, tensor in named(remove_duplicate=False):
+            owner, _, attr = name.rpartition(".")
+            getattr(plain.get_submodule(owner), kind)[attr] = tensor
+    missing = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if missing:
+        raise ValueError(f"gathered_model: {type(plain).__name__} has tensors the policy lacks: {missing[:3]}")
+    return plain.eval()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -295,30 +295,6 @@ def reshard(model):
             module.reshard()
 
 
-def gathered_model(model):
-    """One rank: the policy as a plain transformers model whose tensors are the weights FSDP2 gathers for a
-    forward (bf16 ones with --dtype bf16), for the transformers engine to generate with: no second copy, no
-    FSDP2 hooks between the kernels. The same class built on the meta device (no memory), then each of its
-    parameters and buffers replaced by the policy's own tensor of that name (a tied head by the same one).
-    Valid until reshard(model) frees the gathered weights."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import AutoModelForCausalLM
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.unshard()  # on one rank a copy of the shard, cast to the compute dtype
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model.config, attn_implementation=model.config._attn_implementation)
-    for kind, named in (("_parameters", model.named_parameters), ("_buffers", model.named_buffers)):
-        for name, tensor in named(remove_duplicate=False):
-            owner, _, attr = name.rpartition(".")
-            getattr(plain.get_submodule(owner), kind)[attr] = tensor
-    missing = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
-    if missing:
-        raise ValueError(f"gathered_model: {type(plain).__name__} has tensors the policy lacks: {missing[:3]}")
-    return plain.eval()
-
-
 def full_parameters(model, dtype):
     """Yields (hf_name, full tensor) one parameter at a time: each rank all-gathers its shards, so
     the extra memory is one parameter, not a second model. With LoRA: the merged weights."""

@@ -1,21 +1,17 @@
-"""The CUDA paths on one GPU, and the figures only a GPU gives: our GRPO step on a Qwen2.5-0.5B-shaped
-model against TRL's GRPOTrainer doing the same work, with its phases and a profile of one step; the same
-step as it ran before the transformers engine shared the policy's weights and decoded with CUDA graphs
-(the baseline); with --compile-blocks; peak memory with and without --offload and --grad-checkpointing;
-and the update's MFU against this GPU's measured bf16 matmul rate.
+"""Our GRPO step on one GPU against TRL's GRPOTrainer doing the same work, on a Qwen2.5-0.5B-shaped model:
+the phases, a profile of one step, the update's MFU against this GPU's measured bf16 matmul rate and the
+peak memory; beside it the step as it ran before the transformers engine shared the policy's weights and
+decoded with CUDA graphs (the baseline), and with --compile-blocks. (gpu_update.py runs the other paths:
+--offload, --grad-checkpointing, LoRA, a kill and a resume.)
 
-    python benchmarks/gpu.py --like ../shared/models/qwen2.5-0.5b-instruct --gsm8k data/gsm8k \
-        --skip eval,memory,resume --json gpu.json                                  # ~6 min, H100/H200
+    python benchmarks/gpu.py --like ../shared/models/qwen2.5-0.5b-instruct --gsm8k data/gsm8k --json gpu.json
     python benchmarks/gpu.py --like ... --gsm8k ... --hidden 128 --layers 2 --steps 3 ...   # a CPU dry run
 
-The model is Qwen2.5-0.5B's config with random weights and the real tokenizer and chat template
-(models.build_random_model): 494M parameters, the 151,936-row tied head. Random weights write no EOS,
-so every answer runs to --response-length and both systems do the same work per step. Every run is a
-fresh process, started as a user starts it (runners.py): ours under torchrun with the transformers
-engine (`--rollout hf`; no vLLM on this image) in bf16, TRL's GRPOTrainer with bf16=True and
-model.generate, the same prompts in the same order, no KL term, one optimizer step per rollout. The
-comment above main() lists what runs, in order; a run that fails is reported and the rest go on, and
-the JSON is written after each.
+The model: Qwen2.5-0.5B's config, random weights, the real tokenizer and chat template (494M parameters,
+the 151,936-row tied head). Random weights write no EOS, so every answer runs to --response-length and both
+sides do the same work. Each run is a fresh process (runners.py): ours under torchrun, `--rollout hf` (no vLLM
+on this image), bf16; TRL with bf16=True and model.generate; the same prompts in the same order, no KL term,
+one optimizer step per rollout. A run that fails is reported and the rest go on; the JSON is written after each.
 """
 
 import argparse
@@ -50,12 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--trl-steps", type=int, default=6, help="steps of TRL's run")
     p.add_argument("--other-steps", type=int, default=6, help="steps of the baseline and --compile-blocks runs")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each timed run left out")
-    p.add_argument("--memory-steps", type=int, default=2, help="steps of each memory run")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: ours, eval, trl, baseline, compile, memory, resume"
-    )
-    p.add_argument("--memory", default="", help="comma-separated memory runs to do (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: ours, eval, trl, baseline, compile")
     p.add_argument("--json", default="", help="also write every measurement to this file")
     return p.parse_args(argv)
 
@@ -191,8 +183,7 @@ def phase_table(run, warmup):
     return rows
 
 
-# What runs, in order; a run that fails is reported and the rest go on (on an H200: ours 1.5 min, TRL
-# 1.5 min, the baseline and the compiled run 1.5 min each, each memory run 1 to 2 min; --skip and --memory choose):
+# What runs, in order (on an H200 about 1.5 min each; --skip chooses):
 #   1. the bf16 matmul rate, at 8192^3 and at the model's MLP shape (CUDA events, median);
 #   2. ours, --steps steps (the engine on the policy's own weights, CUDA graphs), one validation at the end, the
 #      final model saved, --profile-step profiled (left out of the medians); then eval.py on that final model
@@ -200,10 +191,7 @@ def phase_table(run, warmup):
 #   3. TRL, --trl-steps steps of the same work;
 #   4. the baseline: ours as before 2026-11-28, --other-steps steps (the engine's own copy of the weights, synced
 #      every step, and the eager decode loop: --no-engine-shares-policy --no-cuda-graphs);
-#   5. ours with --compile-blocks, --other-steps steps;
-#   6. peak memory: ours for --memory-steps steps, plain, with --offload optimizer, with --offload
-#      params, with --grad-checkpointing (alone and with --offload params), and with LoRA;
-#   7. resume: the --offload optimizer run (a checkpoint every step) continued one more step.
+#   5. ours with --compile-blocks, --other-steps steps.
 def main():
     args = parse_args()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -225,11 +213,8 @@ def main():
     model_dir = build_model(args)
     from transformers import AutoConfig
 
-    from model_dir import weights_size
-
     config = AutoConfig.from_pretrained(model_dir)
     n_matmul = matmul_params(model_dir)
-    n_params = weights_size(model_dir) / 4  # saved in fp32
     tokens = args.micro_batch_tokens
     big = 8192 if torch.cuda.is_available() else 1024  # a CPU dry run: seconds, not minutes
     shapes = [(big, big, big), (min(tokens, 8 * big), config.hidden_size, config.intermediate_size)]
@@ -333,36 +318,6 @@ def main():
             runs[name] = run_ours(args, model_dir, name, args.other_steps, flags + ["--test-freq=-1", "--save-freq=-1"])
             save()
 
-    # ---- 6. peak memory; 7. resume
-    memory = [
-        ("plain", []),
-        ("offload-optimizer", ["--offload=optimizer", "--save-freq=1"]),
-        ("offload-params", ["--offload=params"]),
-        ("grad-ckpt", ["--grad-checkpointing"]),
-        ("grad-ckpt+offload-params", ["--grad-checkpointing", "--offload=params"]),
-        ("lora", ["--lora-rank=16"]),
-    ]
-    if "memory" not in skip:
-        chosen = {m.strip() for m in args.memory.split(",") if m.strip()} or {name for name, _ in memory}
-        for name, flags in [m for m in memory if m[0] in chosen]:
-            flags = (
-                flags
-                + (["--save-freq=-1"] if "--save-freq=1" not in flags else [])
-                + ["--test-freq=-1", "--no-save-model"]
-            )
-            runs[name] = run_ours(args, model_dir, name, args.memory_steps, flags)
-            save()
-            if name == "offload-optimizer" and "resume" not in skip and runs[name]["ok"]:
-                out = os.path.join(args.work_dir, "runs", "offload-optimizer", "out")
-                flags = ["--offload=optimizer", "--save-freq=1", "--test-freq=-1", "--no-save-model"]
-                run = run_ours(args, model_dir, "resume", args.memory_steps + 1, flags, out_dir=out)
-                resumed = "resumed from" in open(run["log"], errors="replace").read()
-                last = run["metrics"][-1]["step"] if run["metrics"] else None
-                run["ok"] = run["ok"] and resumed and last == args.memory_steps + 1
-                print(f"  resume with --offload optimizer: {'ok' if run['ok'] else 'FAILED'}", flush=True)
-                runs["resume"] = run
-                save()
-
     # ---- the tables
     w = args.warmup
     compared = ("ours", "trl", "baseline", "compile")
@@ -424,26 +379,7 @@ def main():
         profile = runs["ours"]["profile"]
         print(f"\nours, step {profile['step']} under torch.profiler (the first 30 lines of its table):")
         print("\n".join(profile["table"][:30]), flush=True)
-    states = 8 * n_params / 2**30  # AdamW's two fp32 moments
-    gap = "training/rollout_logprob_diff_max"
-    mem_rows = [
-        [
-            name,
-            "ok" if runs[name]["ok"] else "failed",
-            f"{peak(runs[name]):.2f}",
-            f"{max((m.get(gap, 0) for m in runs[name]['metrics']), default=float('nan')):.4f}",
-        ]
-        for name, _ in memory
-        if name in runs
-    ]
-    if mem_rows:
-        print_table(
-            f"peak GPU memory over {args.memory_steps} steps (GiB)",
-            ["run", "ran", "peak", "engine gap max"],
-            mem_rows,
-            note=f"AdamW's states: {states:.2f} GiB ({n_params / 1e6:.0f}M parameters)",
-        )
-    results.update(summary=summary, optimizer_states_gib=states)
+    results.update(summary=summary)
     results["ok"] = {k: bool(v.get("ok")) for k, v in runs.items()}
     if "eval" in results:
         results["ok"]["eval"] = results["eval"]["ok"]

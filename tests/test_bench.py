@@ -116,8 +116,40 @@ def test_gpu_benchmark_splits_a_step_into_its_phases():
     rows = {row[0]: row[1:] for row in gpu.phase_table(run, warmup=1)}
     assert rows["gen"] == ["3.000", "75%"] and rows["update"] == ["0.500", "12%"] and rows["whole step"][0] == "4.000"
     assert gpu.peak({"records": [dict(rss_gb=1.0), dict(rss_gb=3.0)]}) == 3.0
-    args = gpu.parse_args(["--like", "x", "--gsm8k", "y", "--skip", "trl", "--memory", "plain"])
-    assert (args.steps, args.prompts, args.group_size, args.response_length) == (20, 16, 8, 128)
+    args = gpu.parse_args(["--like", "x", "--gsm8k", "y", "--skip", "trl"])
+    assert (args.steps, args.prompts, args.group_size, args.response_length) == (10, 16, 8, 128)
+
+
+@pytest.mark.slow
+def test_the_gpu_step_script_dry_runs_on_the_cpu(tmp_path, gsm8k_head):
+    """benchmarks/gpu.py on a tiny Qwen-vocabulary model on the CPU, so the script a GPU session runs in one
+    call has run before: ours (the engine on the policy's own weights, one step profiled) and the baseline (its
+    own copy, synced every step) train on GSM8K prompts, eval.py scores ours' final model, and the JSON holds
+    each run's phases, the profile's table and the engine-vs-trainer gap. TRL is not installed here, and the
+    --compile-blocks run is ours with one more flag (tests/test_checkpoint.py runs it in the trainer)."""
+    import json
+    import subprocess
+
+    from conftest import QWEN_DIR, need
+
+    need(QWEN_DIR)
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "benchmarks/gpu.py", "--like", QWEN_DIR, "--gsm8k", str(gsm8k_head), "--json", str(out)]
+    cmd += ["--work-dir", str(tmp_path / "work"), "--hidden", "128", "--layers", "2", "--dtype", "fp32"]
+    cmd += ["--steps", "3", "--other-steps", "2", "--warmup", "1", "--prompts", "4", "--group-size", "2"]
+    cmd += ["--response-length", "8", "--skip", "trl,compile"]
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["ok"] == {"ours": True, "baseline": True, "eval": True}, results["ok"]
+    ours, baseline = results["summary"]["ours"], results["summary"]["baseline"]
+    assert ours["weights_shared"] and not baseline["weights_shared"]
+    assert ours["engine_gap_max"] < 1e-3 and baseline["engine_gap_max"] < 1e-3  # both sample the trainer's policy
+    assert ours["phases_s"]["sync_s"] < min(0.05, baseline["phases_s"]["sync_s"])  # nothing to copy or check
+    profile = results["runs"]["ours"]["profile"]
+    assert profile["step"] == 2 and any("update_actor" in line for line in profile["table"])
+    assert [r["step"] for r in results["runs"]["ours"]["records"]] == [1, 3]  # the profiled step left out
+    assert results["summary"]["speedup_vs_baseline"] > 0
 
 
 @pytest.mark.slow
