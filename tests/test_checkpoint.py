@@ -92,6 +92,23 @@ def test_killed_run_resumes_exactly_one_rank(baselines, tmp_path, crash_at):
 
 
 @pytest.mark.slow
+def test_one_rank_engine_on_the_policys_weights_runs_as_its_synced_copy_did(baselines, tmp_path):
+    """One rank, --rollout hf: the engine generates with the policy's own weights (hf_engine.gathered_model), and
+    logs every value, and ends with every weight, that the engine with its own copy, synced each step, gives;
+    the run says so (rollout/weights_shared) and spends nothing on a weight sync. The kill tests above resume it."""
+    train(tmp_path / "copy", "--no-engine-shares-policy")
+    assert_same_run(baselines / "ranks1", tmp_path / "copy")
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import same_metrics
+
+    shared, copy = (same_metrics.records(d) for d in (baselines / "ranks1", tmp_path / "copy"))
+    differ = same_metrics.differences(shared, copy)
+    assert {key for _, key, _, _ in differ} == {"rollout/weights_shared"} and len(differ) == 4  # steps 1-4
+    times = [json.loads(line) for line in open(baselines / "ranks1" / "metrics.jsonl")][1:]
+    assert all(m["rollout/weights_shared"] == 1.0 and m["timing_s/update_weights"] < 0.01 for m in times)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_resumes_exactly(tmp_path):
     """--filter-groups draws its further prompts and seeds from (seed, step, batch): nothing to save."""
     family = "--filter-groups --max-gen-batches 2 --overlong-buffer-len 3 --adv-estimator rloo".split()
