@@ -54,6 +54,7 @@ class HFEngine:
         local_gpu = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # eval.py under torchrun: one GPU per rank
         self.device = torch.device(device or (local_gpu if torch.cuda.is_available() else "cpu"))
         self.shares_policy, self.policy, self.model, self.tensors = shares_policy, None, None, {}
+        self.gathered = None  # shares_policy: the plain model over the policy's gathered weights
         if not shares_policy:
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, trust_remote_code=False)
@@ -216,7 +217,7 @@ class HFEngine:
         """Before generating: with shares_policy, gather the policy's weights (gathered_model); else, on CUDA,
         move the model back from the CPU."""
         if self.shares_policy:
-            self.model = gathered_model(self.policy)
+            self.model = self.gathered = gathered_model(self.policy, self.gathered)
         else:
             self.model.to(self.device)
 
@@ -234,20 +235,24 @@ class HFEngine:
             self.model.to("cpu")  # moves the data of the same Parameters, so self.tensors stays valid
 
     def close(self):
-        self.model = self.tensors = self.policy = None
+        self.model = self.tensors = self.policy = self.gathered = None
         gc.collect()
 
 
-def gathered_model(policy):
+def gathered_model(policy, before=None):
     """One rank: the FSDP2 policy as a plain transformers model whose tensors are the weights FSDP2 gathers for
     a forward (bf16 ones with --dtype bf16): no second copy, and no FSDP2 hooks between the kernels. The same
     class built on the meta device (no memory), then each of its parameters and buffers replaced by the
-    policy's own tensor of that name (a tied head by the same one). Valid until the policy reshards."""
+    policy's own tensor of that name (a tied head by the same one). Valid until the policy reshards. `before`,
+    an earlier result, is returned again if it still holds the policy's tensors: FSDP2 gathers into the same
+    ones each time."""
     from transformers import AutoModelForCausalLM
 
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.unshard()  # on one rank a copy of the shard, cast to the compute dtype
+    if before is not None and all(t is before.get_parameter(n) for n, t in policy.named_parameters()):
+        return before
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(policy.config, attn_implementation=policy.config._attn_implementation)
     for kind, named in (("_parameters", policy.named_parameters), ("_buffers", policy.named_buffers)):

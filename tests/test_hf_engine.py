@@ -86,10 +86,12 @@ def test_the_engine_on_the_policys_weights_samples_what_a_synced_copy_samples(mo
         return outs[0]
 
     before = both()
+    first = shared.gathered
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     policy(torch.tensor([PROMPTS[0]])).logits.square().mean().backward()
     optimizer.step()
     copy.update_weights(full_parameters(policy, torch.float32))
     assert both().logprobs != before.logprobs  # the update reached both engines
+    assert shared.gathered is first  # built once: FSDP2 gathers into the same tensors each time
     with pytest.raises(RuntimeError, match="nothing to copy"):
         shared.update_weights([])
