@@ -1,6 +1,11 @@
 """A rollout engine in plain transformers: a batched sampling loop with a KV cache, for machines
 without vLLM (a GPU image with only torch and transformers). Slower than vLLM; the same interface
 and the same log-probs, computed as vLLM's sampler computes them.
+
+On one rank it holds no model of its own: it generates with the policy's weights as FSDP2 gathers them
+(gathered_model), as TRL generates without vLLM, so there is nothing to copy after an update. Elsewhere it
+loads its own copy, which the trainer syncs. Decoding: CacheDecoder on the CPU; on CUDA, GraphDecoder, one
+CUDA graph replay per token.
 """
 
 import gc
