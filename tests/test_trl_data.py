@@ -101,7 +101,9 @@ def test_bad_json_a_datasetdict_and_verl_columns_outside_parquet(tmp_path, token
     with pytest.raises(DataError, match=r"a DatasetDict of the splits \['train'\]; pass one split's directory"):
         read_rows(str(splits))
     verl = {"data_source": "x", "prompt": CHAT[0]["prompt"], "reward_model": {"ground_truth": "1"}}
-    with pytest.raises(DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\], and verl's"):
+    with pytest.raises(
+        DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\] \(first in row 0\), and verl's"
+    ):
         data_prep.load_prompts(write(tmp_path, [verl], "jsonl"), tokenizer)
 
 
@@ -109,4 +111,12 @@ def test_verl_parquet_is_told_apart_by_its_columns_and_keeps_its_checks(tmp_path
     # a data_source column makes it verl's: its missing reward_model is today's error, not a prompt-only dataset
     path = write(tmp_path, [{"data_source": "openai/gsm8k", "prompt": CHAT[0]["prompt"]}], "parquet")
     with pytest.raises(DataError, match=r"missing column\(s\) \['reward_model'\]"):
+        data_prep.load_prompts(path, tokenizer)
+
+
+def test_verl_columns_on_any_row_of_a_jsonl_make_it_verls(tmp_path, tokenizer):
+    """Not only row 0's: a jsonl with verl's columns in row 5 alone is refused, naming that row."""
+    verl = {"data_source": "openai/gsm8k", "prompt": "list 1 2 first", "reward_model": {"ground_truth": "1"}}
+    path = write(tmp_path, [TEXT[0]] * 5 + [verl], "jsonl")
+    with pytest.raises(DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\] \(first in row 5\)"):
         data_prep.load_prompts(path, tokenizer)
