@@ -175,8 +175,8 @@ def is_prompt_only(path):
 
 def prompt_problem(prompt, text):
     """What is wrong with one prompt, or None; `text`: whether the dataset's prompts are text (its first row's)."""
-    if text:
-        if not isinstance(prompt, str) or not prompt:
+    if text:  # only whitespace is no text: 0 tokens for many tokenizers, and no engine generates from none
+        if not isinstance(prompt, str) or not prompt.strip():
             return f"expected non-empty text, as row 0's prompt is, got {prompt!r:.80}"
         return None
     if not isinstance(prompt, list) or not prompt:
