@@ -234,14 +234,13 @@ def score_rows(
     where="",
     conversations=None,
     step=0,
-    completion_ids=None,
 ):
     """reward.score_rows, for reward functions of either kind: TRL's (a RewardWorker whose info names them)
     get one call per function for the batch (batch_kwargs), verl's go to reward.score_rows as they are.
-    step: trainer_state.global_step; completion_ids: the responses' tokens where response_ids (which verl's
-    functions see in extra_info) are not given. Returns (scores, extras) as reward.score_rows does, plus
-    rewards/<name> (each function's values, None where it returned None), reward_unscored (1.0 where none
-    applied), log_extra/<column> and log_metric/<name> (run_log.rollout_metrics reads them)."""
+    step: trainer_state.global_step; response_ids: TRL's completion_ids (verl's functions see them in extra_info).
+    Returns (scores, extras) as reward.score_rows does, plus rewards/<name> (each function's values, None where
+    it returned None), reward_unscored (1.0 where none applied), log_extra/<column> and log_metric/<name>
+    (run_log.rollout_metrics reads them)."""
     info = getattr(reward_fn, "info", None)
     if not isinstance(reward_fn, reward.RewardWorker) or not info:
         if rows and not all(c in rows[0] for c in VERL_COLUMNS):  # check_data says so at start-up
@@ -249,8 +248,7 @@ def score_rows(
             columns = {k for r in rows for k in r if k not in NOT_COLUMNS}
             raise RewardError(f"reward function {verl_on_prompt_only(name + ' has', columns, 'this')}")
         return reward.score_rows(reward_fn, rows, texts, first, response_ids, truncated, errors, where, conversations)
-    ids = response_ids if response_ids is not None else completion_ids
-    batch = batch_kwargs(rows, texts, ids, conversations, step)
+    batch = batch_kwargs(rows, texts, response_ids, conversations, step)
     if "verl" in info["kinds"]:
         infos = reward.sample_infos(rows, response_ids, truncated, conversations)
         sources = [r.get("data_source", PROMPT_ONLY_SOURCE) for r in rows]

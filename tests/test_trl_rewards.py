@@ -118,7 +118,7 @@ def test_a_text_prompt_gets_text_completions_columns_logs_and_trainer_state(rewa
 def test_a_chat_prompt_gets_assistant_messages(rewards_file):
     fn = worker(rewards_file, "accuracy_reward")
     try:
-        scores, _ = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, _ = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [1.0, 0.0]  # accuracy_reward read c[0]["content"]: a str completion would fail there
@@ -127,14 +127,14 @@ def test_a_chat_prompt_gets_assistant_messages(rewards_file):
 def test_none_leaves_a_function_out_of_the_weighted_sum_and_all_none_is_a_counted_skip(rewards_file, capsys):
     fn = worker(rewards_file, "only_hard", "length_score", "never", weights=[2.0, 0.5, 3.0])
     try:
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [0.5 * 3, 2.0 * 1.0 + 0.5 * 2]
     assert extras["rewards/only_hard"] == [None, 1.0] and extras["rewards/never"] == [None, None]
     fn = worker(rewards_file, "only_hard", "never")
     try:
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 2")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 2")
     finally:
         fn.close()
     assert scores == [0.0, 1.0] and extras["reward_unscored"] == [1.0, 0.0]
@@ -158,9 +158,9 @@ def test_a_failing_function_stops_the_run_naming_it_or_is_skipped_and_counted(re
     fn = worker(rewards_file, "length_score", name)
     try:
         with pytest.raises(RewardError) as e:
-            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3")
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, first=4, where="step 3")
         assert said in str(e.value) and "--reward-errors skip" in str(e.value)
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3", errors="skip")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, first=4, where="step 3", errors="skip")
     finally:
         fn.close()
     wrong = [1.0, 0.0] if name == "text_score" else [1.0, 1.0]
@@ -175,8 +175,8 @@ def test_a_hanging_function_times_out_naming_it(rewards_file):
         with pytest.raises(
             RewardError, match=r"reward function hangs, step 1, samples 0-1 of the batch: did not return within 1 s"
         ):
-            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 1")
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, errors="skip")
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 1")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, errors="skip")
     finally:
         fn.close()
     assert scores == [0.0, 0.0] and extras["reward_error"] == [1.0, 1.0]
@@ -185,7 +185,7 @@ def test_a_hanging_function_times_out_naming_it(rewards_file):
 def test_async_functions_and_callable_instances(rewards_file):
     fn = worker(rewards_file, "judge", "length_score")
     try:
-        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [3.5, 2.5] and extras["rewards/judge"] == [0.5, 0.5]
@@ -195,7 +195,7 @@ def test_async_functions_and_callable_instances(rewards_file):
 def test_verl_functions_beside_trl_ones_and_alone(rewards_file):
     fn = worker(rewards_file, "compute_score", "judge", weights=[1.0, 2.0])
     try:
-        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [3.0, 3.0] and extras["rewards/compute_score"] == [2.0, 2.0]
@@ -222,7 +222,7 @@ def test_an_installed_module_is_a_reward_spec(tmp_path, monkeypatch):
     assert not all(ok for ok, _ in flag_rules.reward_rules(args))
     fn = load_reward_fns(["mypkg.rewards:think"])
     try:
-        assert score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)[0] == [1.0, 1.0]
+        assert score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS)[0] == [1.0, 1.0]
         assert fn.info["names"] == ["think"]
     finally:
         fn.close()
@@ -259,7 +259,7 @@ def test_trls_own_reward_functions_and_a_factory_made_in_a_users_file(trl_ref, t
     ]
     fn = load_reward_fns(specs, [1.0, 2.0, 0.5], 60.0)
     try:
-        scores, extras = score_rows(fn, rows, texts, completion_ids=[[1] * 6, [1] * 8, [1] * 12], where="step 1")
+        scores, extras = score_rows(fn, rows, texts, response_ids=[[1] * 6, [1] * 8, [1] * 12], where="step 1")
         names = fn.info["names"]
     finally:
         fn.close()
@@ -350,7 +350,9 @@ def test_validation_logs_each_functions_values_as_val_aux_rewards(rewards_file):
 
     class Scripted:
         def generate(self, prompts, *, n, **kwargs):
-            return Rollout(response_ids=[[5, 6, 7], [8], [9, 9], [4, 4, 4, 4]][: len(prompts) * n])
+            return Rollout(
+                response_ids=[[5, 6, 7], [8], [9, 9], [4, 4, 4, 4]][: len(prompts) * n], truncated=[False] * 4
+            )
 
     fn = worker(rewards_file, "only_hard", "length_score", "never")
     try:
