@@ -180,14 +180,27 @@ def answer_batch(fns, kinds, request):
             f"returned {len(out)} rewards for {n} completions; expected one per completion (None where it does not apply)",
         )
     values, problems = [], {}
-    for j, value in enumerate(out):
-        number = None if value is None else reward.real_number(value)
-        if value is not None and (number is None or not reward.is_finite(number)):
-            problems[j] = (
-                f"returned {safe_repr(value)} (a {type(value).__name__}) for it; expected a finite real number, or None"
-            )
-        values.append(None if number is None else float(number))
+    for j, value in enumerate(out):  # each sample's own: one value that is no score must not spoil the others
+        number, problem = batch_value(value)
+        values.append(number)
+        if problem:
+            problems[j] = problem
     return (values, problems, logged), None
+
+
+def batch_value(value):
+    """(float or None, None) for one value of a TRL-style function's list, or (None, what is wrong with it): a str,
+    NaN, 10**400 (which float() cannot hold), anything whose conversion raises."""
+    if value is None:
+        return None, None
+    try:
+        number = reward.real_number(value)
+        if number is not None and reward.is_finite(number):
+            return float(number), None
+    except Exception:  # a numpy-like object whose .item() raises, and the like
+        pass
+    said = f"returned {safe_repr(value)} (a {type(value).__name__}) for it"
+    return None, f"{said}; expected a finite real number (a float holds up to about 1.8e308), or None"
 
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # reward.score_one passes them

@@ -61,6 +61,9 @@ REWARDS = textwrap.dedent(
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return 2.0
+
+    def one_huge(completions, **kwargs):
+        return [0.5] * 3 + [10**400] + [0.5] * (len(completions) - 4)
     """
 )
 
@@ -364,3 +367,24 @@ def test_validation_logs_each_functions_values_as_val_aux_rewards(rewards_file):
     assert metrics["val-aux/rewards/only_hard/mean"] == 1.0  # over the hard prompt's 2 samples only
     assert not any("rewards/never" in k for k in metrics)  # applied nowhere: not logged, as in training
     assert metrics["val-core/prompt_only/reward/mean@2"] == (3 + 1 + (1 + 2) + (1 + 4)) / 4
+
+
+# ----------------------------------------------------------------------------------------------
+# What one value, one sum or one function can do to the others
+
+
+def test_one_huge_value_is_its_samples_error_not_the_batchs(rewards_file):
+    fn = worker(rewards_file, "one_huge")
+    try:
+        with pytest.raises(RewardError) as e:
+            score_rows(fn, TEXT_ROWS * 4, TEXTS * 4, response_ids=IDS * 4, where="step 2")
+        scores, extras = score_rows(fn, TEXT_ROWS * 4, TEXTS * 4, response_ids=IDS * 4, errors="skip")
+    finally:
+        fn.close()
+    said = str(e.value)
+    assert (
+        said.startswith("reward function one_huge, step 2, sample 3 of the batch: returned 1000000")
+        and "(a int)" in said
+    )
+    assert "OverflowError" not in said and "answer_batch" not in said  # the function raised nothing: we did
+    assert scores == [0.5] * 3 + [0.0] + [0.5] * 4 and extras["reward_error"] == [0.0] * 3 + [1.0] + [0.0] * 4
