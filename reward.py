@@ -299,16 +299,31 @@ def weighted_score(fns, weights, names, data_source, solution_str, ground_truth,
 
     Returns {"score": ..., names[i]: s_i, f"{names[i]}/{key}": each extra key of fns[i]}, so the
     trainer logs reward_extra/<name>/mean for every function. A function that raises or returns a
-    non-score (score_one) raises RewardError naming it."""
-    total, out = 0.0, {}
+    non-score (score_one), or a sum that is not a finite number (weighted_sum), raises RewardError naming it."""
+    terms, out = [], {}
     for fn, weight, name in zip(fns, weights, names):
         value, extras, problem = score_one(fn, data_source, solution_str, ground_truth, extra_info)
         if problem is not None:
             raise RewardError(f"{name} {problem}")
-        total += weight * value
+        terms.append((name, weight, value))
         out[name] = value
         out.update({f"{name}/{key}": v for key, v in extras.items()})
+    total, problem = weighted_sum(terms)
+    if problem is not None:
+        raise RewardError(problem)
     return {"score": total, **out}
+
+
+def weighted_sum(terms):
+    """(sum_i w_i * s_i, None) over terms [(name, w_i, s_i)], each s_i finite; or (None, what is wrong) when the
+    sum is not finite (10 * 1e308 is inf), naming every function, weight and score: not the learning rate's fault."""
+    total = sum((w * s for _, w, s in terms), 0.0)
+    if is_finite(total):
+        return total, None
+    said = " + ".join(f"{w:g} * {name} ({s:g})" for name, w, s in terms)
+    return None, (
+        f"the weighted sum {said} is {total}, not a finite number; lower --reward-weights, or scale the scores down"
+    )
 
 
 def weighted_reward(fns, weights=None, names=None):

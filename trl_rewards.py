@@ -320,8 +320,15 @@ def combine(replies, info, n, *, first, errors, where):
         add_logged(extras, logged, n)
     scores, unscored = [], []
     for j in range(n):
-        applied = [(w, v[j]) for w, v in zip(weights, values) if v[j] is not None]
-        scores.append(0.0 if failed[j] else sum(w * v for w, v in applied))
+        applied = [(name, w, v[j]) for name, w, v in zip(names, weights, values) if v[j] is not None]
+        total, problem = reward.weighted_sum(applied)
+        if problem and not failed[j]:  # each value is finite, their sum is not
+            said = f"reward functions {', '.join(name for name, _, _ in applied)}"
+            at = f"{said}, {reward.sample_place(where, first + j)}: {problem}"
+            if errors == "raise":
+                raise RewardError(f"{at}. {SKIP_HINT}")
+            failed[j].append(at)
+        scores.append(0.0 if failed[j] else total)
         unscored.append(float(not failed[j] and not applied))
     extras.update({f"rewards/{name}": column for name, column in zip(names, values)})
     extras["reward_unscored"] = unscored

@@ -161,6 +161,18 @@ def test_weighted_reward_names_the_function_that_failed():
         score_responses(fn, ["x"], ["7"], ["7"])
 
 
+def test_a_weighted_sum_that_overflows_names_the_functions_and_weights():
+    def huge_float(data_source, solution_str, ground_truth, extra_info=None):
+        return 1e308  # finite, and so is each function's score: the sum below is not
+
+    fn = weighted_reward([huge_float, short], [10.0, 1.0], ["f.huge_float", "f.short"])
+    with pytest.raises(RewardError) as e:
+        score_responses(fn, ["x"], ["7"], ["7"], where="step 1")
+    said = str(e.value)
+    assert "10 * f.huge_float + 1 * f.short, step 1, sample 0 of the batch (data_source='x'): the weighted sum " in said
+    assert "10 * f.huge_float (1e+308) + 1 * f.short (1) is inf" in said and "--reward-weights" in said
+
+
 def test_reward_names_from_specs_are_unique():
     specs = ["a/format.py:f", "b/format.py:f", "length.py", "reward.py:compute_score"]
     assert reward_names(specs) == ["format.f", "format.f_2", "length.compute_score", "reward.compute_score"]

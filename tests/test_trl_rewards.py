@@ -64,6 +64,12 @@ REWARDS = textwrap.dedent(
 
     def one_huge(completions, **kwargs):
         return [0.5] * 3 + [10**400] + [0.5] * (len(completions) - 4)
+
+    def huge_float(completions, **kwargs):
+        return [1e308] * len(completions)
+
+    def ok(completions, **kwargs):
+        return [1e308] * len(completions)
     """
 )
 
@@ -388,3 +394,15 @@ def test_one_huge_value_is_its_samples_error_not_the_batchs(rewards_file):
     )
     assert "OverflowError" not in said and "answer_batch" not in said  # the function raised nothing: we did
     assert scores == [0.5] * 3 + [0.0] + [0.5] * 4 and extras["reward_error"] == [0.0] * 3 + [1.0] + [0.0] * 4
+
+
+def test_a_weighted_sum_that_overflows_names_the_functions_and_weights(rewards_file):
+    fn = worker(rewards_file, "huge_float", "ok", weights=[10.0, 1.0])
+    try:
+        with pytest.raises(RewardError) as e:
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 1")
+    finally:
+        fn.close()
+    said = str(e.value)
+    assert said.startswith("reward functions huge_float, ok, step 1, sample 0 of the batch: the weighted sum ")
+    assert "10 * huge_float (1e+308) + 1 * ok (1e+308) is inf" in said and "--reward-weights" in said
