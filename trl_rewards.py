@@ -145,8 +145,9 @@ def answer_batch(fns, kinds, request):
     """The reply to (i, batch): fns[i] on the whole batch, ((values, problems, logged), None), where values holds
     a float or None per sample, problems {sample: what was wrong with its value}, logged what log_extra and
     log_metric received; (None, problem) when the call itself failed (raised, returned no list of the batch's
-    length). A verl-kind function (beside TRL's) is called once per sample, as reward.score_one calls it."""
-    i, batch = request
+    length). A verl-kind function (beside TRL's) is called once per sample, as reward.score_one calls it.
+    Each function gets its own copy of the batch: one that edits its lists in place changes nothing for the next."""
+    i, batch = request[0], reward.own_copy(request[1])  # the requests of one batch share it, as they were sent
     fn, n = fns[i], len(batch["prompts"])
     if kinds[i] == "verl":
         values, problems = [], {}

@@ -173,6 +173,26 @@ def test_a_weighted_sum_that_overflows_names_the_functions_and_weights():
     assert "10 * f.huge_float (1e+308) + 1 * f.short (1) is inf" in said and "--reward-weights" in said
 
 
+def rewrites(data_source, solution_str, ground_truth, extra_info=None):
+    extra_info["response_ids"].clear()
+    extra_info["split"] = ground_truth["answers"][0] = "rewritten"
+    return 0.0
+
+
+def reads(data_source, solution_str, ground_truth, extra_info=None):
+    return float("rewritten" in (extra_info["split"], ground_truth["answers"][0]) or not extra_info["response_ids"])
+
+
+def test_each_weighted_function_gets_its_own_arguments():
+    """One that edits extra_info or ground_truth in place changes nothing for the next, in either order."""
+    for order in ((rewrites, reads), (reads, rewrites)):
+        fn = weighted_reward(list(order), names=[f.__name__ for f in order])
+        row = {"data_source": "x", "reward_model": {"ground_truth": {"answers": ["1"]}}, "extra_info": {"split": "a"}}
+        _, extras = score_rows(fn, [row, row], ["1", "2"], response_ids=[[5, 2], [6, 2]], truncated=[False] * 2)
+        assert extras["reads"] == [0.0, 0.0], order
+        assert row["reward_model"]["ground_truth"] == {"answers": ["1"]} and row["extra_info"] == {"split": "a"}
+
+
 def test_reward_names_from_specs_are_unique():
     specs = ["a/format.py:f", "b/format.py:f", "length.py", "reward.py:compute_score"]
     assert reward_names(specs) == ["format.f", "format.f_2", "length.compute_score", "reward.compute_score"]

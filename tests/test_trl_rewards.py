@@ -70,6 +70,14 @@ REWARDS = textwrap.dedent(
 
     def ok(completions, **kwargs):
         return [1e308] * len(completions)
+
+    def rewrites(completions, solution, completion_ids, **kwargs):
+        completions[0], solution[0] = "rewritten", "rewritten"
+        completion_ids[0].clear()
+        return [0.0] * len(completions)
+
+    def reads(completions, solution, completion_ids, **kwargs):
+        return [float("rewritten" in (c, s) or not ids) for c, s, ids in zip(completions, solution, completion_ids)]
     """
 )
 
@@ -406,3 +414,14 @@ def test_a_weighted_sum_that_overflows_names_the_functions_and_weights(rewards_f
     said = str(e.value)
     assert said.startswith("reward functions huge_float, ok, step 1, sample 0 of the batch: the weighted sum ")
     assert "10 * huge_float (1e+308) + 1 * ok (1e+308) is inf" in said and "--reward-weights" in said
+
+
+def test_each_function_gets_its_own_lists(rewards_file):
+    """TRL builds each function's arguments anew: one that edits them in place changes nothing for the next."""
+    for order in (("rewrites", "reads"), ("reads", "rewrites")):
+        fn = worker(rewards_file, *order)
+        try:
+            _, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=[list(ids) for ids in IDS])
+        finally:
+            fn.close()
+        assert extras["rewards/reads"] == [0.0, 0.0], order
