@@ -12,7 +12,8 @@ function applies to is counted (reward_extra/reward_unscored/mean), named on std
 TRL, left out of its group's advantages (advantage.left_out_of_groups). Each
 function's values are logged as TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl.
 score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged.
-check_data, at start-up, names a function the dataset cannot feed: a column it needs, verl's on prompt-only rows."""
+check_data, at start-up, names a function the dataset cannot feed: a column it needs, verl's on prompt-only rows,
+and a column named as one of TRL's own arguments (column_clash)."""
 
 import asyncio
 import functools
@@ -82,6 +83,21 @@ def argument_problem(needs, takes, columns, data):
     return None
 
 
+def column_clash(columns, data):
+    """What is wrong with `columns` (of `data`, for the message) named as one of TRL's own arguments (PASSED), or
+    None: a TRL-style function gets ours under that name, so the column would be lost; TRL raises "got multiple
+    values for keyword argument" instead."""
+    clash = [c for c in PASSED if c in columns]
+    if not clash:
+        return None
+    named = f"{'a column' if len(clash) == 1 else 'columns'} named {' and '.join(map(repr, clash))}"
+    return (
+        f"{data} has {named}, as TRL's own arguments to a reward function ({', '.join(PASSED)}): the function "
+        "would get ours, never the dataset's values, and TRL refuses such a dataset (TypeError: got multiple values "
+        f"for keyword argument {clash[0]!r}). Rename the {'column' if len(clash) == 1 else 'columns'}"
+    )
+
+
 def verl_on_prompt_only(what, columns, data):
     """The message for verl-signature functions (`what`) on prompt-only rows, which have nothing to pass them."""
     return (
@@ -95,7 +111,8 @@ def verl_on_prompt_only(what, columns, data):
 def check_data(reward_fn, rows, data):
     """At start-up, before the engine and the model load: whether --reward-fn's functions (a RewardWorker) can
     score `rows`, the dataset `data` (its path). RewardError naming the spec (file and function) and what is
-    missing: verl-signature functions alone on a prompt-only dataset, or a TRL-style function's argument_problem.
+    missing: verl-signature functions alone on a prompt-only dataset, a column_clash beside TRL-style functions, or
+    a TRL-style function's argument_problem.
     Other reward functions (the built-in compute_score) are checked by data_prep.load_prompts."""
     if not isinstance(reward_fn, reward.RewardWorker) or not rows:
         return
@@ -107,6 +124,9 @@ def check_data(reward_fn, rows, data):
             what = f"{specs}: {'this function has' if len(reward_fn.specs) == 1 else 'these functions have'}"
             raise RewardError(f"--reward-fn {verl_on_prompt_only(what, columns, data)}")
         return
+    clash = column_clash(columns, data)
+    if clash:
+        raise RewardError(f"--reward-fn {', '.join(reward_fn.specs)}: {clash}")
     for spec, kind, needs_takes in zip(reward_fn.specs, info["kinds"], info["arguments"]):
         problem = argument_problem(*needs_takes, columns, data) if kind == "trl" else None
         if problem:
@@ -158,12 +178,13 @@ def answer_batch(fns, kinds, request):
                 problems[j] = problem
         return (values, problems, {}), None
     logged = {"extra": {}, "metric": {}}
-    kwargs = dict(batch["columns"])  # the dataset's columns; ours below win over a column of the same name
+    kwargs = dict(batch["columns"])  # the dataset's columns; one named as ours is refused below (column_clash)
     kwargs.update(prompts=batch["prompts"], completions=batch["completions"], completion_ids=batch["completion_ids"])
     kwargs.update(trainer_state=types.SimpleNamespace(**batch["trainer_state"]))
     kwargs.update(log_extra=functools.partial(log_into, logged["extra"]))
     kwargs.update(log_metric=functools.partial(log_into, logged["metric"]))
-    problem = argument_problem(*arguments(fn), batch["columns"], "this batch's rows")
+    columns = batch["columns"]
+    problem = column_clash(columns, "this batch") or argument_problem(*arguments(fn), columns, "this batch's rows")
     if problem:  # said before the call: Python's TypeError names neither the column nor the fix
         return None, problem
     try:

@@ -425,3 +425,17 @@ def test_each_function_gets_its_own_lists(rewards_file):
         finally:
             fn.close()
         assert extras["rewards/reads"] == [0.0, 0.0], order
+
+
+def test_a_column_named_as_one_of_trls_arguments_is_refused_at_start_up(rewards_file):
+    fn = worker(rewards_file, "accuracy_reward")
+    try:
+        for column in trl_rewards.PASSED:
+            rows = [{**r, column: "the dataset's"} for r in TEXT_ROWS]
+            with pytest.raises(RewardError) as e:
+                trl_rewards.check_data(fn, rows, "data/train.jsonl")
+            assert f"data/train.jsonl has a column named {column!r}, as TRL's own arguments" in str(e.value)
+            with pytest.raises(RewardError, match=f"has a column named {column!r}"):  # and at the call, not replaced
+                score_rows(fn, rows, TEXTS, response_ids=IDS)
+    finally:
+        fn.close()
