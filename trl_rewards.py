@@ -9,11 +9,10 @@ dataset column as keyword lists. It runs in the reward worker (reward_worker.py)
 and batch, under the same --reward-timeout and --reward-errors rules as verl's. None means "does not apply":
 a sample's score is sum_i w_i * s_i over the functions that returned a number (TRL's nansum); a sample no
 function applies to is counted (reward_extra/reward_unscored/mean), named on stderr, logged as 0 and, as in
-TRL, left out of its group's advantages (advantage.left_out_of_groups). Each
-function's values are logged as TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl.
-score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged.
-check_data, at start-up, names a function the dataset cannot feed: a column it needs, verl's on prompt-only rows,
-and a column named as one of TRL's own arguments (column_clash)."""
+TRL, left out of its group's advantages (advantage.left_out_of_groups). Each function's values are logged as
+TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl. score_rows is the trainer's way
+in: it hands verl-only reward functions to reward.score_rows unchanged. check_data, at start-up, names a function
+the dataset cannot feed: a column it needs or that has one of our arguments' names, verl's on prompt-only rows."""
 
 import asyncio
 import functools
