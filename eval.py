@@ -167,8 +167,9 @@ def validate(
     samples = [r for r in mine for _ in range(n)]  # prompt-major, like the rollout
     texts = response_texts(out, tokenizer, eos_ids)
     conversations = [t.conversation for t in out.turns] if tools else None
-    kw = dict(errors=errors, where=where, conversations=conversations, step=step, completion_ids=out.response_ids)
-    scores, extras = score_rows(reward_fn, samples, texts, first=first * n, **kw)
+    # what training's rollout.score_samples gives reward functions: the tokens and whether each was cut off
+    kw = dict(response_ids=out.response_ids, truncated=out.truncated, conversations=conversations)
+    scores, extras = score_rows(reward_fn, samples, texts, first=first * n, errors=errors, where=where, step=step, **kw)
     # every rank gets every score (they are small), so every rank computes the same metrics
     local = dict(
         sources=[r.get("data_source", PROMPT_ONLY_SOURCE) for r in samples], scores=scores, preds=extras.get("pred")

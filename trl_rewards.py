@@ -9,10 +9,10 @@ dataset column as keyword lists. It runs in the reward worker (reward_worker.py)
 and batch, under the same --reward-timeout and --reward-errors rules as verl's. None means "does not apply":
 a sample's score is sum_i w_i * s_i over the functions that returned a number (TRL's nansum); a sample no
 function applies to is counted (reward_extra/reward_unscored/mean), named on stderr, logged as 0 and, as in
-TRL, left out of its group's advantages (advantage.left_out_of_groups). Each
-function's values are logged as TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl.
-score_rows is the trainer's way in: it hands verl-only reward functions to reward.score_rows unchanged.
-check_data, at start-up, names a function the dataset cannot feed: a column it needs, verl's on prompt-only rows."""
+TRL, left out of its group's advantages (advantage.left_out_of_groups). Each function's values are logged as
+TRL's rewards/<name>/mean and /std; log_extra's columns go to samples/*.jsonl. score_rows is the trainer's way
+in: it hands verl-only reward functions to reward.score_rows unchanged. check_data, at start-up, names a function
+the dataset cannot feed: a column it needs or that has one of our arguments' names, verl's on prompt-only rows."""
 
 import asyncio
 import functools
@@ -82,6 +82,21 @@ def argument_problem(needs, takes, columns, data):
     return None
 
 
+def column_clash(columns, data):
+    """What is wrong with `columns` (of `data`, for the message) named as one of TRL's own arguments (PASSED), or
+    None: a TRL-style function gets ours under that name, so the column would be lost; TRL raises "got multiple
+    values for keyword argument" instead."""
+    clash = [c for c in PASSED if c in columns]
+    if not clash:
+        return None
+    named = f"{'a column' if len(clash) == 1 else 'columns'} named {' and '.join(map(repr, clash))}"
+    return (
+        f"{data} has {named}, as TRL's own arguments to a reward function ({', '.join(PASSED)}): the function "
+        "would get ours, never the dataset's values, and TRL refuses such a dataset (TypeError: got multiple values "
+        f"for keyword argument {clash[0]!r}). Rename the {'column' if len(clash) == 1 else 'columns'}"
+    )
+
+
 def verl_on_prompt_only(what, columns, data):
     """The message for verl-signature functions (`what`) on prompt-only rows, which have nothing to pass them."""
     return (
@@ -95,7 +110,8 @@ def verl_on_prompt_only(what, columns, data):
 def check_data(reward_fn, rows, data):
     """At start-up, before the engine and the model load: whether --reward-fn's functions (a RewardWorker) can
     score `rows`, the dataset `data` (its path). RewardError naming the spec (file and function) and what is
-    missing: verl-signature functions alone on a prompt-only dataset, or a TRL-style function's argument_problem.
+    missing: verl-signature functions alone on a prompt-only dataset, a column_clash beside TRL-style functions, or
+    a TRL-style function's argument_problem.
     Other reward functions (the built-in compute_score) are checked by data_prep.load_prompts."""
     if not isinstance(reward_fn, reward.RewardWorker) or not rows:
         return
@@ -107,6 +123,9 @@ def check_data(reward_fn, rows, data):
             what = f"{specs}: {'this function has' if len(reward_fn.specs) == 1 else 'these functions have'}"
             raise RewardError(f"--reward-fn {verl_on_prompt_only(what, columns, data)}")
         return
+    clash = column_clash(columns, data)
+    if clash:
+        raise RewardError(f"--reward-fn {', '.join(reward_fn.specs)}: {clash}")
     for spec, kind, needs_takes in zip(reward_fn.specs, info["kinds"], info["arguments"]):
         problem = argument_problem(*needs_takes, columns, data) if kind == "trl" else None
         if problem:
@@ -145,8 +164,9 @@ def answer_batch(fns, kinds, request):
     """The reply to (i, batch): fns[i] on the whole batch, ((values, problems, logged), None), where values holds
     a float or None per sample, problems {sample: what was wrong with its value}, logged what log_extra and
     log_metric received; (None, problem) when the call itself failed (raised, returned no list of the batch's
-    length). A verl-kind function (beside TRL's) is called once per sample, as reward.score_one calls it."""
-    i, batch = request
+    length). A verl-kind function (beside TRL's) is called once per sample, as reward.score_one calls it.
+    Each function gets its own copy of the batch: one that edits its lists in place changes nothing for the next."""
+    i, batch = request[0], reward.own_copy(request[1])  # the requests of one batch share it, as they were sent
     fn, n = fns[i], len(batch["prompts"])
     if kinds[i] == "verl":
         values, problems = [], {}
@@ -157,12 +177,13 @@ def answer_batch(fns, kinds, request):
                 problems[j] = problem
         return (values, problems, {}), None
     logged = {"extra": {}, "metric": {}}
-    kwargs = dict(batch["columns"])  # the dataset's columns; ours below win over a column of the same name
+    kwargs = dict(batch["columns"])  # the dataset's columns; one named as ours is refused below (column_clash)
     kwargs.update(prompts=batch["prompts"], completions=batch["completions"], completion_ids=batch["completion_ids"])
     kwargs.update(trainer_state=types.SimpleNamespace(**batch["trainer_state"]))
     kwargs.update(log_extra=functools.partial(log_into, logged["extra"]))
     kwargs.update(log_metric=functools.partial(log_into, logged["metric"]))
-    problem = argument_problem(*arguments(fn), batch["columns"], "this batch's rows")
+    columns = batch["columns"]
+    problem = column_clash(columns, "this batch") or argument_problem(*arguments(fn), columns, "this batch's rows")
     if problem:  # said before the call: Python's TypeError names neither the column nor the fix
         return None, problem
     try:
@@ -180,14 +201,27 @@ def answer_batch(fns, kinds, request):
             f"returned {len(out)} rewards for {n} completions; expected one per completion (None where it does not apply)",
         )
     values, problems = [], {}
-    for j, value in enumerate(out):
-        number = None if value is None else reward.real_number(value)
-        if value is not None and (number is None or not reward.is_finite(number)):
-            problems[j] = (
-                f"returned {safe_repr(value)} (a {type(value).__name__}) for it; expected a finite real number, or None"
-            )
-        values.append(None if number is None else float(number))
+    for j, value in enumerate(out):  # each sample's own: one value that is no score must not spoil the others
+        number, problem = batch_value(value)
+        values.append(number)
+        if problem:
+            problems[j] = problem
     return (values, problems, logged), None
+
+
+def batch_value(value):
+    """(float or None, None) for one value of a TRL-style function's list, or (None, what is wrong with it): a str,
+    NaN, 10**400 (which float() cannot hold), anything whose conversion raises."""
+    if value is None:
+        return None, None
+    try:
+        number = reward.real_number(value)
+        if number is not None and reward.is_finite(number):
+            return float(number), None
+    except Exception:  # a numpy-like object whose .item() raises, and the like
+        pass
+    said = f"returned {safe_repr(value)} (a {type(value).__name__}) for it"
+    return None, f"{said}; expected a finite real number (a float holds up to about 1.8e308), or None"
 
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # reward.score_one passes them
@@ -234,14 +268,13 @@ def score_rows(
     where="",
     conversations=None,
     step=0,
-    completion_ids=None,
 ):
     """reward.score_rows, for reward functions of either kind: TRL's (a RewardWorker whose info names them)
     get one call per function for the batch (batch_kwargs), verl's go to reward.score_rows as they are.
-    step: trainer_state.global_step; completion_ids: the responses' tokens where response_ids (which verl's
-    functions see in extra_info) are not given. Returns (scores, extras) as reward.score_rows does, plus
-    rewards/<name> (each function's values, None where it returned None), reward_unscored (1.0 where none
-    applied), log_extra/<column> and log_metric/<name> (run_log.rollout_metrics reads them)."""
+    step: trainer_state.global_step; response_ids: TRL's completion_ids (verl's functions see them in extra_info).
+    Returns (scores, extras) as reward.score_rows does, plus rewards/<name> (each function's values, None where
+    it returned None), reward_unscored (1.0 where none applied), log_extra/<column> and log_metric/<name>
+    (run_log.rollout_metrics reads them)."""
     info = getattr(reward_fn, "info", None)
     if not isinstance(reward_fn, reward.RewardWorker) or not info:
         if rows and not all(c in rows[0] for c in VERL_COLUMNS):  # check_data says so at start-up
@@ -249,8 +282,7 @@ def score_rows(
             columns = {k for r in rows for k in r if k not in NOT_COLUMNS}
             raise RewardError(f"reward function {verl_on_prompt_only(name + ' has', columns, 'this')}")
         return reward.score_rows(reward_fn, rows, texts, first, response_ids, truncated, errors, where, conversations)
-    ids = response_ids if response_ids is not None else completion_ids
-    batch = batch_kwargs(rows, texts, ids, conversations, step)
+    batch = batch_kwargs(rows, texts, response_ids, conversations, step)
     if "verl" in info["kinds"]:
         infos = reward.sample_infos(rows, response_ids, truncated, conversations)
         sources = [r.get("data_source", PROMPT_ONLY_SOURCE) for r in rows]
@@ -309,8 +341,15 @@ def combine(replies, info, n, *, first, errors, where):
         add_logged(extras, logged, n)
     scores, unscored = [], []
     for j in range(n):
-        applied = [(w, v[j]) for w, v in zip(weights, values) if v[j] is not None]
-        scores.append(0.0 if failed[j] else sum(w * v for w, v in applied))
+        applied = [(name, w, v[j]) for name, w, v in zip(names, weights, values) if v[j] is not None]
+        total, problem = reward.weighted_sum(applied)
+        if problem and not failed[j]:  # each value is finite, their sum is not
+            said = f"reward functions {', '.join(name for name, _, _ in applied)}"
+            at = f"{said}, {reward.sample_place(where, first + j)}: {problem}"
+            if errors == "raise":
+                raise RewardError(f"{at}. {SKIP_HINT}")
+            failed[j].append(at)
+        scores.append(0.0 if failed[j] else total)
         unscored.append(float(not failed[j] and not applied))
     extras.update({f"rewards/{name}": column for name, column in zip(names, values)})
     extras["reward_unscored"] = unscored

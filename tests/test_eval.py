@@ -200,7 +200,8 @@ def test_validate_samples_scores_and_strips_every_eos(tmp_path):
             self.seeds = seeds
             ids = [tokenizer.convert_tokens_to_ids(a) for a in answers[: len(prompts)]]
             return Rollout(
-                response_ids=[r for i in ids for r in ([i, eos], [(i + 1) % 10 + 3, other_stop])][: len(prompts) * n]
+                response_ids=[r for i in ids for r in ([i, eos], [(i + 1) % 10 + 3, other_stop])][: len(prompts) * n],
+                truncated=[False] * (len(prompts) * n),
             )
 
     engine = Scripted()
@@ -262,3 +263,48 @@ def test_eval_names_a_tokenizer_without_a_chat_template(tiny_eval_setup, tmp_pat
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"model directory {plain!r}: the tokenizer has no chat_template" in proc.stderr
     assert "chat_template.jinja" in proc.stderr
+
+
+def test_validation_gives_reward_functions_what_training_gives_them():
+    """eval.validate (the trainer's validation and eval.py's) and rollout.score_samples (training's) call a reward
+    function with the same extra_info for the same samples: response_ids, response_length and truncated, which
+    examples/rewards/length_aware.py reads."""
+    import types
+
+    from engine import Rollout
+    from eval import validate
+    from rollout import response_texts, score_samples
+
+    class Tok:
+        def decode(self, ids, **kwargs):
+            return " ".join(map(str, ids))
+
+    out = Rollout(response_ids=[[5, 6, 0], [7, 7, 7, 7], [8, 0], [9]], truncated=[False, True, False, True])
+
+    class Scripted:
+        def generate(self, prompts, *, n, **kwargs):
+            return out
+
+    rows = [
+        {"data_source": "x", "reward_model": {"ground_truth": "5"}, "extra_info": {"index": i}, "prompt_ids": [1, 2]}
+        for i in range(2)
+    ]
+    seen = {}
+
+    def record(data_source, solution_str, ground_truth, extra_info=None):
+        seen.setdefault(kind, []).append((solution_str, extra_info))
+        return 1.0
+
+    kind = "validation"
+    validate(Scripted(), rows, Tok(), record, {0}, n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    kind = "training"
+    samples, args = (
+        [r for r in rows for _ in range(2)],
+        types.SimpleNamespace(reward_errors="raise", overlong_buffer_len=0),
+    )
+    score_samples((record, None), samples, response_texts(out, Tok(), {0}), out, first=0, args=args, device=None)
+    assert seen["validation"] == seen["training"]
+    assert seen["validation"][1] == (
+        "7 7 7 7",
+        {"index": 0, "response_ids": [7, 7, 7, 7], "response_length": 4, "truncated": True},
+    )

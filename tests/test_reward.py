@@ -161,6 +161,38 @@ def test_weighted_reward_names_the_function_that_failed():
         score_responses(fn, ["x"], ["7"], ["7"])
 
 
+def test_a_weighted_sum_that_overflows_names_the_functions_and_weights():
+    def huge_float(data_source, solution_str, ground_truth, extra_info=None):
+        return 1e308  # finite, and so is each function's score: the sum below is not
+
+    fn = weighted_reward([huge_float, short], [10.0, 1.0], ["f.huge_float", "f.short"])
+    with pytest.raises(RewardError) as e:
+        score_responses(fn, ["x"], ["7"], ["7"], where="step 1")
+    said = str(e.value)
+    assert "10 * f.huge_float + 1 * f.short, step 1, sample 0 of the batch (data_source='x'): the weighted sum " in said
+    assert "10 * f.huge_float (1e+308) + 1 * f.short (1) is inf" in said and "--reward-weights" in said
+
+
+def rewrites(data_source, solution_str, ground_truth, extra_info=None):
+    extra_info["response_ids"].clear()
+    extra_info["split"] = ground_truth["answers"][0] = "rewritten"
+    return 0.0
+
+
+def reads(data_source, solution_str, ground_truth, extra_info=None):
+    return float("rewritten" in (extra_info["split"], ground_truth["answers"][0]) or not extra_info["response_ids"])
+
+
+def test_each_weighted_function_gets_its_own_arguments():
+    """One that edits extra_info or ground_truth in place changes nothing for the next, in either order."""
+    for order in ((rewrites, reads), (reads, rewrites)):
+        fn = weighted_reward(list(order), names=[f.__name__ for f in order])
+        row = {"data_source": "x", "reward_model": {"ground_truth": {"answers": ["1"]}}, "extra_info": {"split": "a"}}
+        _, extras = score_rows(fn, [row, row], ["1", "2"], response_ids=[[5, 2], [6, 2]], truncated=[False] * 2)
+        assert extras["reads"] == [0.0, 0.0], order
+        assert row["reward_model"]["ground_truth"] == {"answers": ["1"]} and row["extra_info"] == {"split": "a"}
+
+
 def test_reward_names_from_specs_are_unique():
     specs = ["a/format.py:f", "b/format.py:f", "length.py", "reward.py:compute_score"]
     assert reward_names(specs) == ["format.f", "format.f_2", "length.compute_score", "reward.compute_score"]
@@ -291,3 +323,51 @@ def test_overlong_penalty_hand_values():
 def test_overlong_penalty_bad_buffer(buffer_len):
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty([10], 20, buffer_len, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the documented commands (docs/rewards.md, examples/rewards/), run as written, end to end
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = open(os.path.join(REPO, "docs", "rewards.md")).read()
+TINY = "--rollout hf --max-steps 1 --prompt-batch-size 16 --mini-batch-size 16 --group-size 4 --val-max-prompts 8"
+
+
+@pytest.mark.slow
+def test_the_documented_reward_commands_run_as_written_with_validation(tmp_path):
+    """Each weighted command of docs/rewards.md (the one in its example file's docstring) trains the demo and
+    validates it at step 0 and after the step, as the demo does; eval.py takes the same flags; the reward-model
+    commands run on the demo's model. At a tiny size: 1 step of 16 prompts, 8 validation prompts, the transformers
+    engine. Validation once stopped length_aware.py's command at step 0: it saw no response_length."""
+    import subprocess
+    import sys
+
+    from conftest import metrics, run_script
+
+    commands = [line for line in DOCS.splitlines() if line.startswith("--reward-fn reward.py:compute_score ")]
+    assert len(commands) == 2
+    for command in commands:
+        example = command.split()[3]  # examples/rewards/<name>.py
+        assert command in open(os.path.join(REPO, example)).read()  # the docstring's command is the docs' one
+        out = tmp_path / os.path.basename(example)
+        run_script("--out-dir", str(out), *TINY.split(), *command.split())
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == [0, 1] and all("val-core/synthetic/digits/reward/mean@1" in r for r in rows)
+        name = os.path.splitext(os.path.basename(example))[0]
+        assert {"reward_extra/reward.compute_score/mean", f"reward_extra/{name}.compute_score/mean"} <= set(rows[1])
+    run = tmp_path / "length_aware.py"
+    flags = ["--model", str(run / "final_model"), "--data", str(run / "data" / "test.parquet"), *commands[1].split()]
+    flags += ["--max-prompts", "8", "--max-new-tokens", "4", "--rollout", "hf", "--out", str(tmp_path / "eval.json")]
+    proc = subprocess.run([sys.executable, "eval.py", *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "val-core/synthetic/digits/reward/mean@1" in proc.stdout, proc.stderr[-3000:]
+
+    make = "python models.py random --like runs/grpo/tiny_model --out models/tiny-rm --reward-model"
+    train = "torchrun --nproc_per_node=1 train_grpo.py --reward-model models/tiny-rm --reward-model-weight 0.1"
+    assert make in DOCS and train in DOCS
+    rm = str(tmp_path / "tiny-rm")
+    make = make.replace("runs/grpo/tiny_model", str(run / "tiny_model")).replace("models/tiny-rm", rm)
+    proc = subprocess.run([sys.executable, *make.split()[1:]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("--out-dir", str(tmp_path / "rm_run"), *TINY.split(), *train.replace("models/tiny-rm", rm).split()[3:])
+    rows = metrics(tmp_path / "rm_run")
+    assert "reward_extra/reward_model/mean" in rows[1] and "val-core/synthetic/digits/reward/mean@1" in rows[1]

@@ -116,7 +116,9 @@ def test_the_reward_is_the_weighted_functions_plus_the_reward_model(tmp_path, rm
 
     flags = ["--reward-fn", "reward.py:compute_score", "--reward-fn", "examples/rewards/length_aware.py"]
     flags += ["--reward-weights", "1,0.25", "--reward-model", rm_dir, "--reward-model-weight", "0.1"]
-    run_script("--out-dir", str(tmp_path), *RUN.split(), *flags, ranks=2)
+    validating = RUN.replace("--test-freq -1", "--test-freq 2 --val-max-prompts 8")  # length_aware there too
+    run_script("--out-dir", str(tmp_path), *validating.split(), *flags, ranks=2)
+    assert all("val-core/synthetic/digits/reward/mean@1" in r for r in metrics(tmp_path)[::2])  # steps 0 and 2
     for r in metrics(tmp_path)[1:]:
         rule, model = r["reward_extra/rule/mean"], r["reward_extra/reward_model/mean"]
         assert model != 0 and r["critic/score/mean"] == pytest.approx(rule + 0.1 * model, abs=1e-6)

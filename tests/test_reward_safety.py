@@ -544,7 +544,9 @@ def test_validate_with_errors_skip_counts_them_and_raise_names_validation(tmp_pa
 
     class Scripted:
         def generate(self, prompts, *, n, **kw):
-            return Rollout(response_ids=[[tokenizer.eos_token_id]] * (len(prompts) * n))
+            return Rollout(
+                response_ids=[[tokenizer.eos_token_id]] * (len(prompts) * n), truncated=[False] * (len(prompts) * n)
+            )
 
     kw = dict(n=2, temperature=1.0, max_new_tokens=4, seed=0)
     metrics, samples = validate(Scripted(), rows, tokenizer, fn, {tokenizer.eos_token_id}, errors="skip", **kw)

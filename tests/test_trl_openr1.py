@@ -44,7 +44,7 @@ def test_open_r1s_format_and_accuracy_rewards_score_as_written():
     names = ("accuracy_reward", "format_reward", "tag_count_reward", "reasoning_steps_reward", "repetition")
     fn = worker(*names, weights=[1.0, 1.0, 0.5, 0.3, 1.0])
     try:
-        scores, extras = score_rows(fn, SAMPLES, TEXTS, completion_ids=[[1]] * 6, where="step 1")
+        scores, extras = score_rows(fn, SAMPLES, TEXTS, response_ids=[[1]] * 6, where="step 1")
         logged = fn.info["names"]
     finally:
         fn.close()
@@ -85,7 +85,7 @@ def test_len_reward_and_the_cosine_factory_see_the_ranks_whole_batch_in_one_call
 def test_the_names_logged_for_factories_partials_and_repeats_are_trls():
     fn = worker("cosine", "half_bonus", "wrapped_bonus", "nested_bonus", "format_reward", "judge_by_length")
     try:
-        scores, extras = score_rows(fn, SAMPLES[:2], TEXTS[:2], completion_ids=[[1], [1]])
+        scores, extras = score_rows(fn, SAMPLES[:2], TEXTS[:2], response_ids=[[1], [1]])
         names = fn.info["names"]
     finally:
         fn.close()
@@ -112,7 +112,7 @@ def test_a_function_needing_a_column_the_data_lacks_is_named_at_start_up_and_at_
         assert said.startswith(f"--reward-fn {FILE}:code_reward: this function needs the keyword argument(s) ")
         assert "['verification_info'], which data/train.jsonl has no column for (its columns: ['solution']" in said
         with pytest.raises(RewardError) as e:  # and at the call, where no start-up check ran
-            score_rows(fn, SAMPLES, TEXTS, completion_ids=[[1]] * 6, where="step 2")
+            score_rows(fn, SAMPLES, TEXTS, response_ids=[[1]] * 6, where="step 2")
         said = str(e.value)
         assert "reward function code_reward, step 2, samples 0-5 of the batch: needs the keyword argument(s) " in said
         assert "['verification_info'], which this batch's rows has no column for" in said and "TypeError" not in said

@@ -61,6 +61,23 @@ REWARDS = textwrap.dedent(
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return 2.0
+
+    def one_huge(completions, **kwargs):
+        return [0.5] * 3 + [10**400] + [0.5] * (len(completions) - 4)
+
+    def huge_float(completions, **kwargs):
+        return [1e308] * len(completions)
+
+    def ok(completions, **kwargs):
+        return [1e308] * len(completions)
+
+    def rewrites(completions, solution, completion_ids, **kwargs):
+        completions[0], solution[0] = "rewritten", "rewritten"
+        completion_ids[0].clear()
+        return [0.0] * len(completions)
+
+    def reads(completions, solution, completion_ids, **kwargs):
+        return [float("rewritten" in (c, s) or not ids) for c, s, ids in zip(completions, solution, completion_ids)]
     """
 )
 
@@ -118,7 +135,7 @@ def test_a_text_prompt_gets_text_completions_columns_logs_and_trainer_state(rewa
 def test_a_chat_prompt_gets_assistant_messages(rewards_file):
     fn = worker(rewards_file, "accuracy_reward")
     try:
-        scores, _ = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, _ = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [1.0, 0.0]  # accuracy_reward read c[0]["content"]: a str completion would fail there
@@ -127,14 +144,14 @@ def test_a_chat_prompt_gets_assistant_messages(rewards_file):
 def test_none_leaves_a_function_out_of_the_weighted_sum_and_all_none_is_a_counted_skip(rewards_file, capsys):
     fn = worker(rewards_file, "only_hard", "length_score", "never", weights=[2.0, 0.5, 3.0])
     try:
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [0.5 * 3, 2.0 * 1.0 + 0.5 * 2]
     assert extras["rewards/only_hard"] == [None, 1.0] and extras["rewards/never"] == [None, None]
     fn = worker(rewards_file, "only_hard", "never")
     try:
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 2")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 2")
     finally:
         fn.close()
     assert scores == [0.0, 1.0] and extras["reward_unscored"] == [1.0, 0.0]
@@ -158,9 +175,9 @@ def test_a_failing_function_stops_the_run_naming_it_or_is_skipped_and_counted(re
     fn = worker(rewards_file, "length_score", name)
     try:
         with pytest.raises(RewardError) as e:
-            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3")
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, first=4, where="step 3")
         assert said in str(e.value) and "--reward-errors skip" in str(e.value)
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, first=4, where="step 3", errors="skip")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, first=4, where="step 3", errors="skip")
     finally:
         fn.close()
     wrong = [1.0, 0.0] if name == "text_score" else [1.0, 1.0]
@@ -175,8 +192,8 @@ def test_a_hanging_function_times_out_naming_it(rewards_file):
         with pytest.raises(
             RewardError, match=r"reward function hangs, step 1, samples 0-1 of the batch: did not return within 1 s"
         ):
-            score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, where="step 1")
-        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS, errors="skip")
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 1")
+        scores, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, errors="skip")
     finally:
         fn.close()
     assert scores == [0.0, 0.0] and extras["reward_error"] == [1.0, 1.0]
@@ -185,7 +202,7 @@ def test_a_hanging_function_times_out_naming_it(rewards_file):
 def test_async_functions_and_callable_instances(rewards_file):
     fn = worker(rewards_file, "judge", "length_score")
     try:
-        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [3.5, 2.5] and extras["rewards/judge"] == [0.5, 0.5]
@@ -195,7 +212,7 @@ def test_async_functions_and_callable_instances(rewards_file):
 def test_verl_functions_beside_trl_ones_and_alone(rewards_file):
     fn = worker(rewards_file, "compute_score", "judge", weights=[1.0, 2.0])
     try:
-        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, completion_ids=IDS)
+        scores, extras = score_rows(fn, CHAT_ROWS, TEXTS, response_ids=IDS)
     finally:
         fn.close()
     assert scores == [3.0, 3.0] and extras["rewards/compute_score"] == [2.0, 2.0]
@@ -222,7 +239,7 @@ def test_an_installed_module_is_a_reward_spec(tmp_path, monkeypatch):
     assert not all(ok for ok, _ in flag_rules.reward_rules(args))
     fn = load_reward_fns(["mypkg.rewards:think"])
     try:
-        assert score_rows(fn, TEXT_ROWS, TEXTS, completion_ids=IDS)[0] == [1.0, 1.0]
+        assert score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS)[0] == [1.0, 1.0]
         assert fn.info["names"] == ["think"]
     finally:
         fn.close()
@@ -259,7 +276,7 @@ def test_trls_own_reward_functions_and_a_factory_made_in_a_users_file(trl_ref, t
     ]
     fn = load_reward_fns(specs, [1.0, 2.0, 0.5], 60.0)
     try:
-        scores, extras = score_rows(fn, rows, texts, completion_ids=[[1] * 6, [1] * 8, [1] * 12], where="step 1")
+        scores, extras = score_rows(fn, rows, texts, response_ids=[[1] * 6, [1] * 8, [1] * 12], where="step 1")
         names = fn.info["names"]
     finally:
         fn.close()
@@ -350,7 +367,9 @@ def test_validation_logs_each_functions_values_as_val_aux_rewards(rewards_file):
 
     class Scripted:
         def generate(self, prompts, *, n, **kwargs):
-            return Rollout(response_ids=[[5, 6, 7], [8], [9, 9], [4, 4, 4, 4]][: len(prompts) * n])
+            return Rollout(
+                response_ids=[[5, 6, 7], [8], [9, 9], [4, 4, 4, 4]][: len(prompts) * n], truncated=[False] * 4
+            )
 
     fn = worker(rewards_file, "only_hard", "length_score", "never")
     try:
@@ -362,3 +381,61 @@ def test_validation_logs_each_functions_values_as_val_aux_rewards(rewards_file):
     assert metrics["val-aux/rewards/only_hard/mean"] == 1.0  # over the hard prompt's 2 samples only
     assert not any("rewards/never" in k for k in metrics)  # applied nowhere: not logged, as in training
     assert metrics["val-core/prompt_only/reward/mean@2"] == (3 + 1 + (1 + 2) + (1 + 4)) / 4
+
+
+# ----------------------------------------------------------------------------------------------
+# What one value, one sum or one function can do to the others
+
+
+def test_one_huge_value_is_its_samples_error_not_the_batchs(rewards_file):
+    fn = worker(rewards_file, "one_huge")
+    try:
+        with pytest.raises(RewardError) as e:
+            score_rows(fn, TEXT_ROWS * 4, TEXTS * 4, response_ids=IDS * 4, where="step 2")
+        scores, extras = score_rows(fn, TEXT_ROWS * 4, TEXTS * 4, response_ids=IDS * 4, errors="skip")
+    finally:
+        fn.close()
+    said = str(e.value)
+    assert (
+        said.startswith("reward function one_huge, step 2, sample 3 of the batch: returned 1000000")
+        and "(a int)" in said
+    )
+    assert "OverflowError" not in said and "answer_batch" not in said  # the function raised nothing: we did
+    assert scores == [0.5] * 3 + [0.0] + [0.5] * 4 and extras["reward_error"] == [0.0] * 3 + [1.0] + [0.0] * 4
+
+
+def test_a_weighted_sum_that_overflows_names_the_functions_and_weights(rewards_file):
+    fn = worker(rewards_file, "huge_float", "ok", weights=[10.0, 1.0])
+    try:
+        with pytest.raises(RewardError) as e:
+            score_rows(fn, TEXT_ROWS, TEXTS, response_ids=IDS, where="step 1")
+    finally:
+        fn.close()
+    said = str(e.value)
+    assert said.startswith("reward functions huge_float, ok, step 1, sample 0 of the batch: the weighted sum ")
+    assert "10 * huge_float (1e+308) + 1 * ok (1e+308) is inf" in said and "--reward-weights" in said
+
+
+def test_each_function_gets_its_own_lists(rewards_file):
+    """TRL builds each function's arguments anew: one that edits them in place changes nothing for the next."""
+    for order in (("rewrites", "reads"), ("reads", "rewrites")):
+        fn = worker(rewards_file, *order)
+        try:
+            _, extras = score_rows(fn, TEXT_ROWS, TEXTS, response_ids=[list(ids) for ids in IDS])
+        finally:
+            fn.close()
+        assert extras["rewards/reads"] == [0.0, 0.0], order
+
+
+def test_a_column_named_as_one_of_trls_arguments_is_refused_at_start_up(rewards_file):
+    fn = worker(rewards_file, "accuracy_reward")
+    try:
+        for column in trl_rewards.PASSED:
+            rows = [{**r, column: "the dataset's"} for r in TEXT_ROWS]
+            with pytest.raises(RewardError) as e:
+                trl_rewards.check_data(fn, rows, "data/train.jsonl")
+            assert f"data/train.jsonl has a column named {column!r}, as TRL's own arguments" in str(e.value)
+            with pytest.raises(RewardError, match=f"has a column named {column!r}"):  # and at the call, not replaced
+                score_rows(fn, rows, TEXTS, response_ids=IDS)
+    finally:
+        fn.close()

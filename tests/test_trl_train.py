@@ -36,6 +36,9 @@ REWARDS = textwrap.dedent(
         # differs within a group from step 1 on: the exact-resume check then resumes a run whose weights move
         return [len(c[0]["content"]) / 40 for c in completions]
 
+    def format_reward(completions, **kwargs):
+        return [float(bool(re.fullmatch(r"\\s*\\d\\s*", c[0]["content"]))) for c in completions]
+
     def gsm8k_accuracy(completions, solution, **kwargs):
         texts = [c[0]["content"] for c in completions]
         numbers = [re.findall(r"-?\\d[\\d,]*", t) for t in texts]
@@ -88,6 +91,35 @@ def test_a_trl_dataset_and_trl_reward_functions_train_on_one_and_two_ranks(tmp_p
     assert "val-core/prompt_only/reward/mean@1" in rows[2]
     samples = [json.loads(line) for line in open(out / "samples" / "train.jsonl")]
     assert all("solution" in s and "rewards/accuracy_reward" in s for s in samples)
+
+
+TRL_REF = os.path.join(REPO, ".trl_ref")  # TRL 1.16.0's code (bash install.sh --dev), for trl.rewards
+
+
+@pytest.mark.slow
+def test_the_documented_trl_command_runs_at_a_tiny_size(tmp_path, monkeypatch):
+    """docs/rewards.md's "Coming from TRL" command: a user's accuracy_reward and format_reward beside TRL's own
+    think_format_reward, weighted 1.0,0.2,0.2, on 2 ranks, validating on TRL-format data. At a tiny size: the demo's
+    model on the digits task as chat prompts stands in for SmolLM2 on GSM8K (the SmolLM2 test below runs those),
+    1 step, the transformers engine; it validates on the training file, as trl_digits' validation set has text
+    prompts, which think_format_reward cannot read (in TRL neither)."""
+    if not os.path.isdir(os.path.join(TRL_REF, "trl", "rewards")):
+        pytest.skip(f"TRL's code is not in {TRL_REF} (bash install.sh --dev puts it there)")
+    monkeypatch.setenv("PYTHONPATH", TRL_REF)  # the reward workers import trl.rewards from there
+    train, _ = trl_digits(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    command = "--reward-fn my_rewards.py:accuracy_reward --reward-fn my_rewards.py:format_reward "
+    command += "--reward-fn trl.rewards:think_format_reward --reward-weights 1.0,0.2,0.2"
+    docs = open(os.path.join(REPO, "docs", "rewards.md")).read()
+    flags = command.split()
+    assert all(f"{flag} {value}" in docs for flag, value in zip(flags[::2], flags[1::2]))
+    flags = [f.replace("my_rewards.py", str(tmp_path / "my_rewards.py")) for f in flags]
+    flags += ["--out-dir", str(tmp_path / "run"), "--train-data", train, "--val-data", train]
+    run_script(*flags, *"--rollout hf --max-steps 1 --prompt-batch-size 8 --mini-batch-size 8".split(), ranks=2)
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1] and all("val-core/prompt_only/reward/mean@1" in r for r in rows)
+    names = ("accuracy_reward", "format_reward", "think_format_reward")
+    assert all(f"rewards/{name}/mean" in rows[1] and f"val-aux/rewards/{name}/mean" in rows[1] for name in names)
 
 
 def train_smollm2(out_dir, data, model, rewards, crash_at=None, save_freq=1):

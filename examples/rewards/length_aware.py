@@ -1,5 +1,5 @@
 """A reward that sees more than the text: it reads the response's length in tokens, and whether it
-was cut off, from extra_info (train_grpo.py adds both; see reward.score_rows).
+was cut off, from extra_info (training and validation add both, and so does eval.py; see reward.score_rows).
 
     score = 0                                      if the response was truncated (it never stopped)
             1                                      if it stopped within BUDGET tokens
@@ -19,7 +19,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if "response_length" not in info or "truncated" not in info:
         raise KeyError(
             "length_aware needs extra_info['response_length'] and ['truncated']: "
-            "reward.score_rows adds them when given response_ids and truncated (train_grpo.py passes both)"
+            "reward.score_rows adds them when given response_ids and truncated (training, validation and eval.py do)"
         )
     if info["truncated"]:
         return 0.0
