@@ -83,13 +83,13 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         n, V = labels.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
-        passes = block_passes(hidden.device)
+        passes = block_passes(hidden.device, hidden.dtype)
         z, e = _block_buffers(hidden, rows, cols, V, 2) if passes is None else (None, None)
         vocab_blocks = list(_spans(V, cols))
         for r in _spans(n, rows):
             m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
             for b, v in enumerate(vocab_blocks):
-                if passes is not None:  # GPUs: the max and both sums in one compiled kernel
+                if passes is not None:  # compiled (GPUs, bf16 CPUs): the max and both sums in one kernel
                     m[b], s[b], t[b] = passes[0](hidden[r] @ weight[v].T, temperature)
                     continue
                 zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
@@ -123,11 +123,11 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         g_logp = zero if g_logp is None else g_logp.float()
         a = None if g_entropy is None else -g_entropy.float()
         c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
-        passes = block_passes(hidden.device)
+        passes = block_passes(hidden.device, hidden.dtype)
         z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2) if passes is None else (None, None)
         for r in _spans(n, ctx.rows):  # on GPUs one token block: each vocabulary slice's grad_w is written once
             for v in _spans(V, ctx.cols):
-                if passes is not None:  # GPUs: p (a z + c) in one compiled kernel, in the matmul's dtype
+                if passes is not None:  # compiled: p (a z + c) in one kernel, in the matmul's dtype
                     g = passes[1](hidden[r] @ weight[v].T, ctx.temperature, lse[r], None if a is None else a[r], c[r])
                 else:
                     zb = _logits_block(hidden[r], weight[v], z, ctx.temperature)  # [r, k]
@@ -217,15 +217,27 @@ def block_grad(z, temperature, lse, a, c):
     return g.to(dtype)  # the cast in the same kernel
 
 
-def block_passes(device):
-    """The functions that make one block's elementwise passes: on CUDA block_stats and block_grad compiled
-    by torch.compile (a block's 5 to 7 passes over 256 MiB of fp32 logits become one kernel each way: the
-    head 2.9x faster on an H200, BENCHMARKS.md), else None: the CPU's loop of in-place passes over blocks
-    that stay in cache. Where compiling fails (no working Triton), the same functions uncompiled."""
-    if device.type != "cuda":
+def compiled_passes(device, dtype):
+    """Whether the head's block passes run compiled (block_passes): on CUDA, and in bf16 on a CPU with native bf16
+    matmuls (avx512_bf16 or AMX), where the fp32 passes, not the matmuls, were what bf16 left as slow as fp32. In
+    fp32 on a CPU the in-place loop over cache-sized blocks measured as fast (BENCHMARKS.md)."""
+    if device.type == "cuda":
+        return True
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return device.type == "cpu" and dtype == torch.bfloat16 and native
+
+
+def block_passes(device, dtype):
+    """The functions that make one block's elementwise passes where compiled_passes: block_stats and block_grad
+    compiled by torch.compile (a block's 5 to 7 passes over its fp32 logits become one kernel each way: the head
+    2.9x faster on an H200, 1.9x in bf16 on a 2-core EPYC, BENCHMARKS.md), else None: the in-place loop of
+    passes over blocks that stay in cache. Where compiling fails (no working Triton or C++ compiler), the same
+    functions uncompiled. On a CPU with dynamic shapes: one graph for every block size, compiled in seconds."""
+    if not compiled_passes(device, dtype):
         return None
     if not _PASSES:
-        _PASSES.extend(compiled_or_not(f) for f in (block_stats, block_grad))
+        options = {} if device.type == "cuda" else dict(dynamic=True)
+        _PASSES.extend(compiled_or_not(f, **options) for f in (block_stats, block_grad))
     return _PASSES
 
 
@@ -256,15 +268,16 @@ def compiled_or_not(fn, name=None, failed=None, **options):
     return call
 
 
-def head_blocks(n, V, device):
+def head_blocks(n, V, device, dtype=torch.float32):
     """(rows, cols) of the fused head's blocks for n tokens and a V-entry vocabulary on `device`. CPU:
-    512 x 512, 1 MiB of fp32 that stays in a core's cache (measured best there, BENCHMARKS.md). GPUs:
+    512 x 512, 1 MiB of fp32 that stays in a core's cache (measured best there, BENCHMARKS.md); 2048 x 2048
+    where the passes are compiled (compiled_passes: bf16 with native bf16), whose larger matmuls run faster. GPUs:
     all n tokens (up to 16,384) by as many vocabulary entries as make 2^26 logits (256 MiB of fp32;
     4,096 entries for 16k tokens), a multiple of 256: few large kernels, and one block of tokens, so the
     backward writes each vocabulary slice's weight gradient once (benchmarks/gpu_update.py measures
     these against the older 2^24 / V tokens by the whole vocabulary)."""
     if device.type == "cpu":
-        return 512, 512
+        return (2048, 2048) if compiled_passes(device, dtype) else (512, 512)
     rows = max(1, min(n, 2**14))
     return rows, min(V, max(256, 2**26 // rows // 256 * 256))
 
@@ -276,7 +289,7 @@ def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, co
     entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to head_blocks' choice
     for the device."""
     B, T = labels.shape
-    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device)
+    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
     rows, cols = rows or default_rows, cols or default_cols
     logp, ent = _HeadLogProbEntropy.apply(
         hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy

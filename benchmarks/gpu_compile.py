@@ -46,10 +46,12 @@ SETTINGS = {  # name: (the head's passes compiled, module classes compiled in pl
 
 
 def passes(compiled):
-    """logprobs.block_passes as shipped (compiled on CUDA) or as before (None: the in-place loop, as on CPUs)."""
+    """logprobs.block_passes as shipped (compiled on CUDA) or as before (None: the in-place loop, as on CPUs in fp32)."""
     if compiled and BACKEND == "eager":  # a dry run: the GPU's functions, traced
-        return lambda device: [torch.compile(f, backend="eager") for f in (logprobs.block_stats, logprobs.block_grad)]
-    return SHIPPED_PASSES if compiled else (lambda device: None)
+        return lambda device, dtype: [
+            torch.compile(f, backend="eager") for f in (logprobs.block_stats, logprobs.block_grad)
+        ]
+    return SHIPPED_PASSES if compiled else (lambda device, dtype: None)
 
 
 def head_stage(device, n_time, n_check, H, V):

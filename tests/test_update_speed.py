@@ -48,7 +48,7 @@ def test_the_head_in_gpu_blocks_equals_the_full_logits_in_value_and_gradient(pas
     torch.compile sees them)."""
     if passes != "in place":
         functions = [logprobs.block_stats, logprobs.block_grad] if passes == "block functions" else traced_passes()
-        monkeypatch.setattr(logprobs, "block_passes", lambda device: functions)
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype: functions)
     torch.manual_seed(0)
     n, V, H = 17000, 4500, 4
     rows, cols = head_blocks(n, V, CUDA)
@@ -77,7 +77,7 @@ def test_gpu_passes_without_the_entropy_give_the_cpu_passes_numbers(monkeypatch)
     hidden, weight, labels = torch.randn(1, 300, 8), torch.randn(1000, 8) * 0.5, torch.randint(0, 1000, (1, 300))
     out = []
     for functions in (None, traced_passes()):
-        monkeypatch.setattr(logprobs, "block_passes", lambda device, f=functions: f)
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype, f=functions: f)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         logp, ent = head_logprobs_entropy(h, w, labels, 0.9, rows=128, cols=256, entropy=False)
         (logp * torch.linspace(-1, 1, 300)).sum().backward()
@@ -85,6 +85,35 @@ def test_gpu_passes_without_the_entropy_give_the_cpu_passes_numbers(monkeypatch)
         out.append((logp, h.grad, w.grad))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_bf16_on_a_cpu_compiles_the_passes_in_larger_blocks_with_the_loops_numbers(monkeypatch):
+    """bf16 on a CPU with native bf16 matmuls: the block passes compiled by inductor (C++; dynamic shapes, so an
+    uneven last block is no new graph) over 2048 x 2048 blocks, against the in-place loop over 512 x 512 blocks
+    (what fp32 and other CPUs run): the log-probs, the entropies and both gradients agree to bf16's rounding
+    of the gradients' block products (the softmax is fp32 either way). Run here whatever the CPU, by asking for it."""
+    cpu = torch.device("cpu")
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert logprobs.compiled_passes(cpu, torch.bfloat16) == native and not logprobs.compiled_passes(cpu, torch.float32)
+    assert head_blocks(3000, 151936, cpu, torch.bfloat16) == ((2048, 2048) if native else (512, 512))
+    torch.manual_seed(0)
+    n, V, H = 2500, 5000, 64  # an uneven token block (452) and vocabulary slice (904)
+    hidden, weight = (torch.randn(1, n, H) * 0.5).bfloat16(), (torch.randn(V, H) * 0.2).bfloat16()
+    labels, g_ent = torch.randint(0, V, (1, n)), torch.randn(1, n) * 0.1
+    out = []
+    for compiled, blocks in ((False, (512, 512)), (True, (2048, 2048))):
+        monkeypatch.setattr(logprobs, "compiled_passes", lambda device, dtype, c=compiled: c)
+        logprobs._PASSES.clear()  # made anew for this setting
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, ent = head_logprobs_entropy(h, w, labels, 0.9, *blocks)
+        (logp.sum() + (ent * g_ent).sum()).backward()
+        out.append([logp, ent, h.grad.float(), w.grad.float()])
+    logprobs._PASSES.clear()
+    # the same bf16 logits and an fp32 softmax: 2e-7 seen; the gradients sum bf16 block products, each rounded
+    # to bf16 before it is added, so other blocks round otherwise: 1 bf16 unit of the largest entry seen (3.9e-3)
+    for a, b, tolerance in zip(*out, (1e-5, 1e-5, 1e-2, 1e-2)):
+        assert (a - b).abs().max().item() <= tolerance * max(1.0, b.abs().max().item())
 
 
 def test_a_pass_whose_compile_fails_runs_uncompiled_and_says_so(monkeypatch, capsys):
