@@ -189,7 +189,7 @@ def phase_table(run, warmup):
 #      final model saved, --profile-step profiled (left out of the medians); then eval.py on that final model
 #      (the transformers engine on CUDA, standalone);
 #   3. TRL, --trl-steps steps of the same work;
-#   4. the baseline: ours as before 2026-11-28, --other-steps steps (the engine's own copy of the weights, synced
+#   4. the baseline: ours as before commit c023533, --other-steps steps (the engine's own copy of the weights, synced
 #      every step, and the eager decode loop: --no-engine-shares-policy --no-cuda-graphs);
 #   5. ours with --compile-blocks, --other-steps steps.
 def main():
@@ -371,7 +371,7 @@ def main():
             ["system", "steps", "step s", "gen tok/s", "tok/s", "update s", "update TFLOP/s", "MFU", "peak GiB"],
             rows,
         )
-    for other, what in (("trl", "TRL"), ("baseline", "the baseline (before 2026-11-28)")):
+    for other, what in (("trl", "TRL"), ("baseline", "the baseline (before commit c023533)")):
         if "ours" in summary and other in summary:
             summary[f"speedup_vs_{other}"] = summary[other]["step_s"] / summary["ours"]["step_s"]
             print(f"ours is {summary[f'speedup_vs_{other}']:.2f}x faster per step than {what} on the same work")

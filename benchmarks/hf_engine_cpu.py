@@ -1,5 +1,5 @@
 """One rank on the CPU: the transformers engine on the policy's own weights (the default) against the same
-engine with its own copy, synced every step (--no-engine-shares-policy, as before 2026-11-28), and against
+engine with its own copy, synced every step (--no-engine-shares-policy, as before commit c023533), and against
 the vLLM engine, on the demo's work (or --model/--train-data's), the three interleaved round by round.
 
     python benchmarks/hf_engine_cpu.py [--rounds 3] [--steps 12] [--warmup 2] [--json out.json]
