@@ -17,9 +17,9 @@ import sys
 
 from common import REPO, fresh_dir, print_table, run_process, write_json
 
-SETTINGS = {
-    "hf, shared": ["--rollout=hf"],
-    "hf, own copy": ["--rollout=hf", "--no-engine-shares-policy"],
+SETTINGS = {  # name: train_grpo.py's flags
+    "shared": ["--rollout=hf"],  # the transformers engine on the policy's own weights
+    "copy": ["--rollout=hf", "--no-engine-shares-policy"],  # the same engine with its own copy, synced
     "vllm": ["--rollout=vllm"],
 }
 PHASES = ("step", "gen", "update_actor", "update_weights")
@@ -32,13 +32,15 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out")
     p.add_argument("--work-dir", default=os.path.join(REPO, "runs", "hf_engine_cpu"))
     p.add_argument("--json", default="")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="which of them, comma-separated")
     args, extra = p.parse_known_args()  # anything else goes to train_grpo.py (e.g. --model, --train-data)
     flags = [f"--max-steps={args.steps}", "--test-freq=-1", "--save-freq=-1", "--no-save-model", *extra]
-    times = {name: {k: [] for k in PHASES} for name in SETTINGS}
-    loads = {name: [] for name in SETTINGS}
+    chosen = {name: SETTINGS[name] for name in args.settings.split(",")}
+    times = {name: {k: [] for k in PHASES} for name in chosen}
+    loads = {name: [] for name in chosen}
     for r in range(args.rounds):
-        for name, setting in SETTINGS.items():
-            run_dir = fresh_dir(os.path.join(args.work_dir, f"{name.replace(', ', '_').replace(' ', '_')}_{r}"))
+        for name, setting in chosen.items():
+            run_dir = fresh_dir(os.path.join(args.work_dir, f"{name}_{r}"))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
             cmd += ["train_grpo.py", f"--out-dir={run_dir}/out", *setting, *flags]
             ok, error, load = run_process(cmd, run_dir, os.cpu_count())
@@ -52,9 +54,9 @@ def main():
                         times[name][k].append(m[f"timing_s/{k}"])
             print(f"round {r + 1}, {name}: {statistics.median(times[name]['step']):.3f} s/step so far", flush=True)
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    rows = [[name] + [f"{med[name][k]:.3f}" for k in PHASES] + [f"{max(loads[name]):.0%}"] for name in SETTINGS]
-    shared = med["hf, shared"]["step"]
-    note = ", ".join(f"{name}'s step / the shared engine's: {med[name]['step'] / shared:.2f}x" for name in SETTINGS)
+    rows = [[name] + [f"{med[name][k]:.3f}" for k in PHASES] + [f"{max(loads[name]):.0%}"] for name in chosen]
+    first = next(iter(chosen))
+    note = ", ".join(f"{name}'s step / {first}'s: {med[name]['step'] / med[first]['step']:.2f}x" for name in chosen)
     print_table(
         f"median seconds over steps > {args.warmup} of {args.rounds} rounds",
         ["setting", *PHASES, "other load"],
