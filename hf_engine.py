@@ -222,7 +222,13 @@ class HFEngine:
         """Before generating: with shares_policy, gather the policy's weights (gathered_model); else, on CUDA,
         move the model back from the CPU."""
         if self.shares_policy:
-            self.model = self.gathered = gathered_model(self.policy, self.gathered)
+            try:
+                self.model = self.gathered = gathered_model(self.policy, self.gathered)
+            except Exception as e:  # a model class that cannot be built empty, or lays its tensors out otherwise
+                raise RuntimeError(
+                    f"the transformers engine could not generate with the policy's own weights ({type(e).__name__}: "
+                    f"{e}); --no-engine-shares-policy gives it a copy of its own, synced after every update"
+                ) from e
         else:
             self.model.to(self.device)
 
