@@ -95,3 +95,16 @@ def test_the_engine_on_the_policys_weights_samples_what_a_synced_copy_samples(mo
     assert shared.gathered is first  # built once: FSDP2 gathers into the same tensors each time
     with pytest.raises(RuntimeError, match="nothing to copy"):
         shared.update_weights([])
+
+
+def test_a_policy_the_engine_cannot_share_is_an_error_naming_the_way_out(model_path, monkeypatch):
+    import hf_engine
+
+    def fails(policy, before):
+        raise ValueError("gathered_model: SomeForCausalLM has tensors the policy lacks: ['x.weight']")
+
+    monkeypatch.setattr(hf_engine, "gathered_model", fails)
+    engine = HFEngine(model_path, max_model_len=MAX_LEN, shares_policy=True)
+    engine.share(object())
+    with pytest.raises(RuntimeError, match="tensors the policy lacks.*--no-engine-shares-policy gives it a copy"):
+        engine.wake_up()
