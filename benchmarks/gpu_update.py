@@ -74,7 +74,7 @@ def timed(fn, device, reps, warmup=1):
 # The code before: what each change replaced, for the ablations
 
 
-def old_head_blocks(n, V, device):
+def old_head_blocks(n, V, device, dtype=None):
     return (512, 512) if device.type == "cpu" else (max(1, 2**24 // V), V)
 
 

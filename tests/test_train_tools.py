@@ -87,9 +87,12 @@ def test_vllm_with_lora_and_dynamic_sampling_on_two_ranks(runs, tmp_path):
 @pytest.mark.slow
 def test_a_rollout_rank_holds_the_conversations_a_colocated_rank_would(runs, tmp_path):
     """--rollout-ranks 1 --max-staleness 1: the tool worker runs on the rollout rank; the trainer gets the
-    conversations (their masks, turns and tool counts) and trains exactly as one colocated rank at S = 1."""
+    conversations (their masks, turns and tool counts) and trains exactly as one colocated rank at S = 1 whose
+    engine, like the rollout rank's, has its own copy of the weights. (The default colocated engine, on the
+    policy's own weights, logs the same values at every step here, and ends with weights up to 1.2e-7 away: float
+    rounding, measured, its cause not pinned down; at S = 0 tests/test_checkpoint.py finds the two exact.)"""
     _, flags = runs
-    train(tmp_path / "colocated", *flags, "--max-staleness", "1", "--save-freq", "-1")
+    train(tmp_path / "colocated", *flags, "--max-staleness", "1", "--save-freq", "-1", "--no-engine-shares-policy")
     train(tmp_path / "split", *flags, "--max-staleness", "1", "--rollout-ranks", "1", "--save-freq", "-1", ranks=2)
     assert_same_run(tmp_path / "colocated", tmp_path / "split")
     a, b = metrics(tmp_path / "colocated"), metrics(tmp_path / "split")
