@@ -77,11 +77,8 @@ class Monitor:
             )
         if not math.isfinite(gn):
             yield "grad_norm", f"actor/grad_norm is {gn}: the update was skipped"
-        elif gn > b.grad_norm_max:
-            yield (
-                "grad_norm",
-                f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (it is clipped, but steps this large destabilise training; lower --lr)",
-            )
+        elif gn > b.grad_norm_max:  # off by default (bands.Bands says why)
+            yield "grad_norm", f"actor/grad_norm {gn:.3g} > {b.grad_norm_max} (--health-bands grad_norm_max)"
         past = [r["actor/grad_norm"] for r in recent if math.isfinite(r["actor/grad_norm"])]
         if len(past) >= 5 and np.median(past) > 0 and gn > b.grad_norm_jump * np.median(past):
             yield (
