@@ -29,6 +29,9 @@ class Bands:
     """actor/entropy above this late in training: the policy is not sharpening."""
     late: float = 0.5
     """Where "late in training" starts, as a fraction of the total steps."""
+    late_min_steps: int = 20
+    """A run of fewer steps has no "late in training": its entropy has had no time to fall (SmolLM2's was 1.5-2.2
+    after 3 or 4 steps that raised the reward, the demo's 2.6 after 12 of the 100 it needs)."""
     step_time_jump: float = 3.0
     """timing_s/step above this multiple of its median over the previous 20 steps."""
     logprob_gap_fp32: float = 1e-2

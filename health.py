@@ -32,6 +32,12 @@ def gap_bands(bands, config):
     return bands.logprob_gap_fp32, bands.probs_gap_fp32
 
 
+def is_late(bands, step, total_steps):
+    """Whether `step` is late in training: past bands.late of the run, in a run of at least bands.late_min_steps
+    steps. A shorter run has no late part: 3 steps say nothing about where the entropy is heading."""
+    return total_steps >= bands.late_min_steps and step > bands.late * total_steps
+
+
 def val_keys(row):
     """The headline validation metrics in a row: val-core/<data_source>/reward/mean@n."""
     return [k for k in row if re.fullmatch(r"val-core/.+/reward/mean@\d+", k)]
@@ -101,13 +107,13 @@ class Monitor:
                 "entropy_low",
                 f"actor/entropy {ent:.3g} < {b.entropy_min}: the policy is nearly deterministic and exploration is ending",
             )
-        if ent > b.entropy_max_late and step > b.late * self.total_steps:
+        if ent > b.entropy_max_late and is_late(b, step, self.total_steps):
             yield (
                 "entropy_high",
                 f"actor/entropy {ent:.3g} > {b.entropy_max_late} late in training (step {step} of {self.total_steps}): the policy is not sharpening",
             )
         yield from distill_warnings(b, [r["distill/reverse_kl/mean"] for r in self.train if "distill/reverse_kl/mean" in r],
-                                    late=step > b.late * self.total_steps)  # fmt: skip
+                                    late=is_late(b, step, self.total_steps))  # fmt: skip
         if row["frac_reward_zero_std"] >= 1.0 and "distill/adv_share" not in row:  # the teacher's term still trains
             yield (
                 "zero_adv",

@@ -19,7 +19,7 @@ import re
 import numpy as np
 
 from bands import parse_bands
-from health import FIRST_STEP, Monitor, non_finite, train_reward_near, val_keys
+from health import FIRST_STEP, Monitor, is_late, non_finite, train_reward_near, val_keys
 
 
 def read_run(run_dir):
@@ -156,7 +156,7 @@ def convergence(train, config, b, total):
         )
     ]
     ent, steps = column(train, "actor/entropy"), np.array([r["step"] for r in train])
-    late = ent[steps > b.late * total]
+    late = ent[np.array([is_late(b, s, total) for s in steps], dtype=bool)]
     value = f"{ent[0]:.3f} -> {ent[len(ent) // 2]:.3f} -> {ent[-1]:.3f} (first, middle, last step)"
     tail_score, top, solved = late_reward(train)
     if not np.isfinite(ent).all():

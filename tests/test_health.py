@@ -376,3 +376,19 @@ def test_a_grad_norm_above_the_clip_is_not_a_problem(tmp_path):
     write_run(tmp_path / "opd", rows, max_steps=18, health_bands="grad_norm_max=4")
     path, _ = report.write_report(str(tmp_path / "opd"))
     assert verdicts(open(path).read())["grad norm (actor/grad_norm)"] == "watch"
+
+
+def test_a_short_run_has_no_late_in_training(tmp_path):
+    """In a 3-step run step 2 was "late in training", and SmolLM2's entropy of 1.74 (nats per token, 49k
+    words) was "not sharpening" after 2 updates that raised the reward. A run shorter than
+    late_min_steps (20) is not judged on what its second half should look like."""
+    assert feed(health.Monitor(bands.Bands(), 3), SMOLLM2_3_STEPS) == []
+    write_run(tmp_path / "smol", SMOLLM2_3_STEPS, max_steps=3, kl_coef=0.0, lr=1e-5)
+    path, counts = report.write_report(str(tmp_path / "smol"))
+    assert verdicts(open(path).read())["entropy (actor/entropy)"] == "healthy"
+    assert counts == dict(problem=0, watch=0, healthy=13, overall="healthy"), open(path).read()
+    # at 20 steps the second half is judged
+    rows = [step_row(s, **{"actor/entropy": 1.7}) for s in range(1, 21)]
+    assert feed(health.Monitor(bands.Bands(), 20), rows) == [
+        "step 11: actor/entropy 1.7 > 1.0 late in training (step 11 of 20): the policy is not sharpening"
+    ]
