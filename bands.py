@@ -32,6 +32,10 @@ class Bands:
     late_min_steps: int = 20
     """A run of fewer steps has no "late in training": its entropy has had no time to fall (SmolLM2's was 1.5-2.2
     after 3 or 4 steps that raised the reward, the demo's 2.6 after 12 of the 100 it needs)."""
+    learned_reward: float = 0.5
+    """The run learned when its last quarter's train reward rose above its first quarter's to at least this fraction
+    of the best sample score, and held-out reward ended above its start. In such a run an entropy collapse, a sharp
+    entropy drop and steps where every advantage is 0 are a watch (the policy found the answer), else a problem."""
     step_time_jump: float = 3.0
     """timing_s/step above this multiple of its median over the previous 20 steps."""
     logprob_gap_fp32: float = 1e-2

@@ -100,7 +100,7 @@ class Monitor:
         if prev is not None and prev > b.entropy_min and ent < (1 - b.entropy_drop) * prev:
             yield (
                 "entropy_drop",
-                f"actor/entropy fell {1 - ent / prev:.0%} in one step ({prev:.3g} -> {ent:.3g}): an update this large means the learning rate is too high",
+                f"actor/entropy fell {1 - ent / prev:.0%} in one step ({prev:.3g} -> {ent:.3g}): unless the reward rises with it, the learning rate is too high",
             )
         if ent < b.entropy_min:
             yield (

@@ -53,10 +53,13 @@ def judge(rows, config, bands):
     total = config.get("max_steps") if config.get("max_steps", -1) > 0 else train[-1]["step"]
     monitor = Monitor(bands, total, config)
     warnings = [w for row in rows for w in monitor.update(row)]
+    learn = learned(train, monitor.vals, bands)
     sections = {
         "task effect": task_effect(monitor, train, bands),
-        "convergence": convergence(train, config, bands, total),
-        "stability": stability(rows, train, monitor, config, bands) + engine_gap(train, monitor, config),
+        "convergence": convergence(train, config, bands, total, learn),
+        "stability": [grad_norm(train, monitor, config, bands)]
+        + stability(rows, train, monitor, learn, bands)
+        + engine_gap(train, monitor, config),
         "efficiency": efficiency(rows, train, monitor, bands),
     }
     items = [(section, *check) for section, checks in sections.items() for check in checks]
@@ -68,12 +71,18 @@ def column(train, key):
     return np.array([r[key] for r in train if key in r], dtype=float)
 
 
-def late_reward(train):
-    """The last quarter's mean train reward, the best score any sample got, and whether the task is
-    solved: the first is near the second."""
+def learned(train, vals, b):
+    """Did the run learn? Returns (early, late, top, learned): the first and last quarters' mean train reward, the
+    best score any sample got, and whether late rose above early to at least b.learned_reward x top while every
+    validation metric validated more than once (vals: key -> [(step, value)]) ended above its start. An entropy
+    collapse, a sharp entropy drop or steps where every advantage is 0 are a problem only in a run that did not
+    learn: in one that did, the policy found the answer (the calculator's entropy fell 97% in the step its
+    held-out accuracy reached 1.0)."""
     scores = column(train, "critic/score/mean")
-    tail_score, top = scores[-max(len(scores) // 4, 1) :].mean(), column(train, "critic/score/max").max()
-    return tail_score, top, top > 0 and tail_score >= 0.9 * top
+    quarter = max(len(scores) // 4, 1)
+    early, late, top = scores[:quarter].mean(), scores[-quarter:].mean(), column(train, "critic/score/max").max()
+    held_out = all(series[-1][1] > series[0][1] for series in vals.values() if len(series) > 1)
+    return early, late, top, bool(top > 0 and late > early and late >= b.learned_reward * top and held_out)
 
 
 def max_run(flags):
@@ -144,8 +153,8 @@ def validation(key, series, train, b):
     return out + [("train vs validation", value, verdict, band)]
 
 
-def convergence(train, config, b, total):
-    """Policy loss, entropy and KL to the reference."""
+def convergence(train, config, b, total, learn):
+    """Policy loss, entropy and KL to the reference; `learn` is learned()'s answer."""
     pg = column(train, "actor/pg_loss")
     out = [
         (
@@ -158,19 +167,24 @@ def convergence(train, config, b, total):
     ent, steps = column(train, "actor/entropy"), np.array([r["step"] for r in train])
     late = ent[np.array([is_late(b, s, total) for s in steps], dtype=bool)]
     value = f"{ent[0]:.3f} -> {ent[len(ent) // 2]:.3f} -> {ent[-1]:.3f} (first, middle, last step)"
-    tail_score, top, solved = late_reward(train)
+    early, late_score, top, ok = learn
     if not np.isfinite(ent).all():
         verdict = "problem"
         value += f"; not finite at {int((~np.isfinite(ent)).sum())} steps"
     elif ent[-1] < b.entropy_min:
-        verdict = "watch" if solved else "problem"
-        value += f"; collapsed {'after' if solved else 'before'} the task was learned (late train reward {tail_score:.3g}, best sample score {top:.3g})"
+        verdict = "watch" if ok else "problem"
+        value += f"; collapsed {'after' if ok else 'before'} the task was learned (train reward {early:.3g} -> {late_score:.3g}, best sample score {top:.3g})"
     elif len(late) and late.mean() > b.entropy_max_late:
         verdict = "watch"
     else:
         verdict = "healthy"
     out.append(
-        ("entropy (actor/entropy)", value, verdict, f"final >= {b.entropy_min}; late-run mean <= {b.entropy_max_late}")
+        (
+            "entropy (actor/entropy)",
+            value,
+            verdict,
+            f"final >= {b.entropy_min} (below: a problem if the run did not learn); late-run mean <= {b.entropy_max_late}",
+        )
     )
     kl = column(train, "actor/kl_loss")
     check, band = "KL to the reference (actor/kl_loss)", f"mean and max <= {b.kl_max}"
@@ -207,18 +221,23 @@ def grad_norm(train, monitor, config, b):
     return ("grad norm (actor/grad_norm)", value, verdict, band)
 
 
-def stability(rows, train, monitor, config, b):
-    """Gradient norm, update size, advantages, skipped updates and non-finite metrics."""
-    out = [grad_norm(train, monitor, config, b)]
-    out += update_size(train, b)
+def stability(rows, train, monitor, learn, b):
+    """Update size, advantages, skipped updates and non-finite metrics; `learn` is learned()'s answer."""
+    out = update_size(train, learn[3], b)
     zs = column(train, "frac_reward_zero_std")
     all_zero, tail = int((zs >= 1).sum()), zs[-max(len(zs) // 4, 1) :]
     why = (
-        "too easy: most groups are all right"
-        if late_reward(train)[2]
+        "the task is learned: most groups are all right"
+        if learn[3]
         else "too hard, or the policy is stuck: most groups are all wrong or identical"
     )
-    verdict = "problem" if all_zero > len(zs) / 4 else "watch" if all_zero or tail.mean() > 0.5 else "healthy"
+    verdict = (
+        "problem"
+        if all_zero > len(zs) / 4 and not learn[3]
+        else "watch"
+        if all_zero or tail.mean() > 0.5
+        else "healthy"
+    )
     out.append(
         (
             "advantages",
@@ -226,7 +245,7 @@ def stability(rows, train, monitor, config, b):
             f"zero-std groups {zs.mean():.0%} on average, {tail.mean():.0%} in the last quarter ({why if tail.mean() > 0.5 else 'fine'}); "
             f"steps with every advantage 0: {all_zero}",
             verdict,
-            "zero-std groups <= 50% late; every-advantage-0 steps <= 25%",
+            "zero-std groups <= 50% late; every-advantage-0 steps <= 25% (more: a problem if the run did not learn)",
         )
     )
     skipped = int(sum(r.get("actor/skipped_updates", 0) for r in train))
@@ -249,14 +268,15 @@ def engine_gap(train, monitor, config):
     return [("engine-vs-trainer gap (training/rollout_*)", value, "problem" if over else "healthy", band)]
 
 
-def update_size(train, b):
-    """The largest one-step entropy drop: a large update shows as a sudden fall in entropy."""
+def update_size(train, learned, b):
+    """The largest one-step entropy drop: a large update shows as a sudden fall in entropy. In a run that
+    learned it is the policy finding the answer (a watch); in one that did not, the learning rate is too high."""
     ent, steps = column(train, "actor/entropy"), np.array([r["step"] for r in train])
     drops = 1 - ent[1:] / ent[:-1]
     judged = ent[:-1] > b.entropy_min  # below it, entropy is small and its ratios noisy
     worst = int(np.argmax(np.where(judged, drops, -np.inf))) if judged.any() else None
     check = "update size (largest one-step entropy drop)"
-    band = f"<= {b.entropy_drop:.0%} (more: the learning rate is too high)"
+    band = f"<= {b.entropy_drop:.0%} (more, in a run that did not learn: the learning rate is too high)"
     if not np.isfinite(ent).all():
         first = int(np.argmin(np.isfinite(ent)))
         value = (
@@ -265,7 +285,8 @@ def update_size(train, b):
         return [(check, value, "problem", band)]
     if worst is not None:
         value = f"{drops[worst]:.0%} at step {steps[worst + 1]} ({ent[worst]:.3g} -> {ent[worst + 1]:.3g})"
-        return [(check, value, "problem" if drops[worst] > b.entropy_drop else "healthy", band)]
+        verdict = "healthy" if drops[worst] <= b.entropy_drop else "watch" if learned else "problem"
+        return [(check, value, verdict, band)]
     return []
 
 

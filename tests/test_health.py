@@ -6,6 +6,7 @@ test_train_grpo.py (a healthy short run, and one made unhealthy on purpose).
 
 import json
 import math
+import os
 
 import pytest
 
@@ -15,6 +16,7 @@ import health
 import report
 
 VAL = "val-core/synthetic/digits/reward/mean@1"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def step_row(step, **over):
@@ -135,7 +137,7 @@ def test_non_finite_metrics_warn_live_and_make_the_report_a_problem(tmp_path):
     assert counts["overall"] == "problem"
 
 
-def test_a_sudden_entropy_drop_blames_the_learning_rate():
+def test_a_sudden_entropy_drop_points_at_the_learning_rate():
     monitor = health.Monitor(bands.Bands(), total_steps=100)
     rows = [
         step_row(1, **{"actor/entropy": 2.0}),
@@ -143,7 +145,7 @@ def test_a_sudden_entropy_drop_blames_the_learning_rate():
         step_row(3, **{"actor/entropy": 0.5}),
     ]
     assert feed(monitor, rows) == [
-        "step 3: actor/entropy fell 58% in one step (1.2 -> 0.5): an update this large means the learning rate is too high"
+        "step 3: actor/entropy fell 58% in one step (1.2 -> 0.5): unless the reward rises with it, the learning rate is too high"
     ]
 
 
@@ -392,3 +394,48 @@ def test_a_short_run_has_no_late_in_training(tmp_path):
     assert feed(health.Monitor(bands.Bands(), 20), rows) == [
         "step 11: actor/entropy 1.7 > 1.0 late in training (step 11 of 20): the policy is not sharpening"
     ]
+
+
+def test_readmes_calculator_run_learned_and_is_not_a_problem(tmp_path):
+    """README's calculator command, its recorded metrics (docs/tools_smollm2): held-out 0.00 -> 1.00 by step 5.
+    The entropy fell 77% at step 2 and 97% at step 5 as the policy found the answer, then every group was all
+    right (every advantage 0 at 4 of 10 steps): the report said PROBLEM on both. In a run that learned they
+    are a watch."""
+    rows = [json.loads(line) for line in open(os.path.join(REPO, "docs", "tools_smollm2", "metrics.jsonl"))]
+    write_run(tmp_path / "run", rows, max_steps=60, kl_coef=0.0, lr=2e-5, dtype="bf16")  # README's flags
+    path, counts = report.write_report(str(tmp_path / "run"))
+    got = verdicts(open(path).read())
+    assert counts["problem"] == 0, open(path).read()
+    assert got["update size (largest one-step entropy drop)"] == got["advantages"] == "watch"
+    assert got["entropy (actor/entropy)"] == "watch"  # 1.08 -> 0.002: collapsed after the task was learned
+    assert "collapsed after the task was learned (train reward 0.453 -> 0.992" in open(path).read()
+
+
+def collapse_run(late_score, val_final, steps=200):
+    """The demo's shape: the reward rises from 0, the entropy collapses below 0.1 halfway at `late_score`."""
+    rows = [{"step": 0, VAL: 0.0}]
+    for s in range(1, steps + 1):
+        score = late_score * min(1.0, 2 * s / steps)
+        entropy = 2.9 - 2.85 * min(1.0, 2 * s / steps)  # 0.05 from halfway
+        rows.append(step_row(s, **{"critic/score/mean": score, "actor/entropy": entropy, "actor/grad_norm": 0.5,
+                                   "frac_reward_zero_std": 1.0 if s > steps / 2 else 0.5}))  # fmt: skip
+        if s % 20 == 0:
+            rows[-1][VAL] = val_final * min(1.0, 2 * s / steps)
+    return rows
+
+
+def test_an_entropy_collapse_after_most_of_the_task_is_learned_is_a_watch(tmp_path):
+    """README's demo on an AMD EPYC without avx512_bf16: held-out 0.892 at step 100 and 0.918 at step 200, its
+    entropy collapsed below 0.1 first, and the report said PROBLEM ("collapsed before the task was learned":
+    its train reward was under 0.9 x the best sample's). A run that learned most of its task and then stopped
+    exploring is a watch; one that collapsed at a train reward under learned_reward (0.5) x the best sample's
+    is a problem (the demo at lr 5e-3 collapsed into always answering 8 at 0.198)."""
+    write_run(tmp_path / "epyc", collapse_run(late_score=0.86, val_final=0.918))
+    path, counts = report.write_report(str(tmp_path / "epyc"))
+    got = verdicts(open(path).read())
+    assert counts["problem"] == 0 and got["entropy (actor/entropy)"] == got["advantages"] == "watch", got
+    write_run(tmp_path / "stuck", collapse_run(late_score=0.198, val_final=0.2))
+    path, counts = report.write_report(str(tmp_path / "stuck"))
+    got = verdicts(open(path).read())
+    assert got["entropy (actor/entropy)"] == got["advantages"] == "problem", got
+    assert "collapsed before the task was learned" in open(path).read()
