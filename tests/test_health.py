@@ -449,3 +449,47 @@ def test_a_slower_end_is_a_watch_not_a_problem(tmp_path):
     write_run(tmp_path / "run", rows)
     path, counts = report.write_report(str(tmp_path / "run"))
     assert verdicts(open(path).read())["step time (timing_s/step)"] == "watch" and counts["problem"] == 0
+
+
+def planted(entropies, scores, vals, **over):
+    """A planted failure's rows, its values as recorded from the demo (`train_grpo.py --rollout hf --max-steps N`
+    plus the flag that breaks it); `vals`: step -> held-out reward."""
+    rows = [{"step": 0, VAL: vals[0]}]
+    for s, (entropy, score) in enumerate(zip(entropies, scores), 1):
+        zero_std = 1.0 if score in (0.0, 1.0) else 0.9  # every group alike once the reward is constant
+        rows.append(step_row(s, **{"actor/entropy": entropy, "critic/score/mean": score, "actor/kl_loss": 0.0,
+                                   "critic/score/max": float(score > 0), "frac_reward_zero_std": zero_std, **over}))  # fmt: skip
+        if s in vals:
+            rows[-1][VAL] = vals[s]
+    return rows
+
+
+PLANTED = {
+    # --lr 1e30: each update would make the weights non-finite, so it is skipped; the run stops after 3 steps
+    "lr 1e30": (
+        planted([2.903, 2.905, 2.906], [0.0039, 0.0, 0.0], {0: 0.0}, **{"actor/skipped_updates": 1}),
+        ["skipped updates (non-finite or runaway)", f"final `{VAL}`"],
+    ),
+    # --reward-fn that returns 1.0 whatever the answer: every advantage is 0, nothing is learned
+    "constant reward": (
+        planted([2.9 + 0.008 * s for s in range(12)], [1.0] * 12, {0: 1.0, 4: 1.0, 8: 1.0, 12: 1.0}),
+        ["advantages", f"final `{VAL}`"],
+    ),
+    # --lr 0.05 --entropy-coef 0: the policy collapses onto one wrong answer before it earns any reward
+    "collapse before any reward": (
+        planted([2.903, 2.626, 2.348, 0.411, 1.334, 0.662, 0.198, 0.065, 0.025, 0.011, 0.0055, 0.0031, 0.0019,
+                 0.0012, 0.0008, 0.0005], [0.0039, 0.0176, 0.0293, 0.0137, 0.0117] + [0.0] * 11, {0: 0.0, 8: 0.0, 16: 0.0}),
+        ["entropy (actor/entropy)", "update size (largest one-step entropy drop)", "advantages", f"final `{VAL}`"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_planted_failures_are_still_problems(tmp_path, name):
+    """The bands were loosened for runs that learn; a run that fails to learn is still PROBLEM, by the checks
+    that name why."""
+    rows, problems = PLANTED[name]
+    write_run(tmp_path / "run", rows, max_steps=rows[-1]["step"], kl_coef=0.0, lr=5e-4)
+    path, counts = report.write_report(str(tmp_path / "run"))
+    got = verdicts(open(path).read())
+    assert counts["overall"] == "problem" and {k: got[k] for k in problems} == dict.fromkeys(problems, "problem"), got
