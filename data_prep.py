@@ -265,21 +265,26 @@ def demo_inputs(args, rank):
     The trainer's setup, imported here so that this file's command line stays light."""
     import torch.distributed as dist
 
-    from config import DEMO_OVERRIDES
     from distributed import print0
 
+    task = not args.train_data or not args.val_data  # the config line shows where each input is
     if args.model == "tiny":
-        changed = ", ".join(f"{k}={v}" for k, v in DEMO_OVERRIDES.items() if getattr(args, k) == v)
-        print0(f"demo: the tiny model learns from scratch, so these replace verl's fine-tuning defaults: {changed}")
+        what = "the digits task " if task else ""
+        print0(
+            f"demo: a tiny model learns {what}from scratch, so config.DEMO_OVERRIDES replaces some of verl's defaults"
+        )
+    elif task:
+        print0("demo: the digits task (tasks/digits.py): name the first or last of six digits")
+    if args.model == "tiny":
         from models import build_tiny_model
 
         args.model = os.path.join(args.out_dir, "tiny_model")
         if rank == 0:
             build_tiny_model(args.model, TASK_WORDS, seed=args.seed)
-    if not args.train_data or not args.val_data:
+    if task:
         task_dir = os.path.join(args.out_dir, "data")
         if rank == 0:
-            write_digits(task_dir, seed=args.seed)
+            write_digits(task_dir, seed=args.seed, quiet=True)
         args.train_data = args.train_data or os.path.join(task_dir, "train.parquet")
         args.val_data = args.val_data or os.path.join(task_dir, "test.parquet")
     dist.barrier()

@@ -216,7 +216,7 @@ def log_validation(step, metrics, samples, log):
     """A validation's samples into the run's log; returns its metrics."""
     log.samples(f"val_step_{step}.jsonl", step, samples, mode="w", table="val/generations")
     if step == 0:  # once, so the console shows what the prompts and responses look like
-        log.write(f"validation samples, step 0:\n{samples_table(samples[:5])}")
+        log.write(f"validation samples, step 0:\n{samples_table(samples[:3])}")
     return metrics
 
 
@@ -359,12 +359,15 @@ def main(argv=None):
     if problems:
         parser.error("\n  ".join(problems))
 
+    if not args.verbose:  # read once, as torch loads: console.py says what this keeps off the console
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
     import data_prep
     from chat_template import ChatTemplateError
+    from console import quiet
     from engine import stop_token_ids
     from memory import free_memory_gib
     from model_dir import check_model_path, context_length
@@ -372,6 +375,8 @@ def main(argv=None):
     from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
     from rollout import make_engine
     from trl_rewards import check_data
+
+    quiet(args.verbose)
 
     distributed = "RANK" in os.environ
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # read now: vLLM's CPU platform overwrites it

@@ -22,14 +22,6 @@ from trl_rewards import check_data
 from user_errors import RewardError
 
 
-def quiet(args):
-    """No transformers progress bars (loading, saving) unless --verbose: they would break our log's lines."""
-    if not args.verbose:
-        from transformers.utils.logging import disable_progress_bar
-
-        disable_progress_bar()
-
-
 def start(args, world, device):
     """Seeds, the device mesh of `world` ranks, no orphan worker after the launcher dies, and the compute
     dtype (args.dtype resolved to bf16 or fp32, what the config, checkpoints and export record). Returns

@@ -14,11 +14,14 @@ names. With --tools, each response is a conversation: the model's turns and its 
 the reward (we use the KL loss, as verl's GRPO examples do), and sequence packing.
 """
 
-import dataclasses
-import math
 import os
 import sys
-import textwrap
+
+if "--verbose" not in sys.argv:  # read once, as torch loads: console.py says what this keeps off the console
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import dataclasses
+import math
 import time
 from functools import partial
 
@@ -26,6 +29,7 @@ import torch
 
 import bands
 import checkpoint
+import console
 import data_prep
 import distill
 import health
@@ -42,7 +46,7 @@ import startup
 from advantage import compute_advantages
 from async_rollout import staleness_metrics
 from cli import parse_args
-from config import loggers
+from config import Args, loggers
 from distributed import (
     all_sum,
     all_sum_tensor,
@@ -257,7 +261,7 @@ def save_final(args, policy, tokenizer, *, done, dtype, lora_args, rank):
 
 def main():
     args = parse_args()
-    startup.quiet(args)
+    console.quiet(args.verbose)
     placement = None  # --rollout-ranks K: the last K ranks only generate (rollout_rank.py)
     if args.rollout_ranks:
         placement, rank, world, device = rollout_ranks.init(args.rollout_ranks, args.collective_timeout)
@@ -274,7 +278,7 @@ def main():
         rollout_ranks.send_flags(placement, args)
     config = dataclasses.asdict(args)
     print0(f"compute dtype: {args.dtype} ({why})")
-    print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items()), 120, subsequent_indent="  "))
+    print0(console.config_line(config, dataclasses.asdict(Args()), os.path.join(args.out_dir, "config.json")))
     tokenizer, pad_id, eos_ids, tools = startup.tokenizer_and_tools(args)
     train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
     if resume_from:  # a finished run ends here, before the engine loads

@@ -25,11 +25,13 @@ def jsonl_examples(jsonl_path, fields):
             yield where, example
 
 
-def write_parquet(rows, path):
+def write_parquet(rows, path, quiet=False):
+    """Write `rows` to `path` and say so (quiet=True: say nothing, as the demo writes its data)."""
     # imported here, not at the top: the scorers load the task files (reward.py) and write nothing
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
-    print(f"wrote {len(rows)} rows to {path}")
+    if not quiet:
+        print(f"wrote {len(rows)} rows to {path}")

@@ -44,12 +44,12 @@ def digits_rows(split, count, seed, exclude=()):
     return rows
 
 
-def write_digits(out_dir, seed=0, train_size=20000, test_size=500):
-    """Write the digits task's train.parquet and test.parquet (disjoint prompts) to `out_dir`."""
+def write_digits(out_dir, seed=0, train_size=20000, test_size=500, quiet=False):
+    """Write the digits task's train.parquet and test.parquet (disjoint prompts) to `out_dir` (quiet: silently)."""
     test = digits_rows("test", test_size, seed)
     train = digits_rows("train", train_size, seed, exclude={r["prompt"][0]["content"] for r in test})
-    write_parquet(train, os.path.join(out_dir, "train.parquet"))
-    write_parquet(test, os.path.join(out_dir, "test.parquet"))
+    write_parquet(train, os.path.join(out_dir, "train.parquet"), quiet)
+    write_parquet(test, os.path.join(out_dir, "test.parquet"), quiet)
 
 
 def digits_score(solution_str, ground_truth):

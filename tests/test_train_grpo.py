@@ -6,6 +6,7 @@ Slow (each vLLM run starts an engine), so marked; CI runs them all.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -20,8 +21,9 @@ SMALL = (
 )
 
 
-def train(out_dir, *flags, ranks=1, check=True, env=None):
-    """Run train_grpo.py under torchrun; returns the completed process."""
+def train(out_dir, *flags, ranks=1, check=True, env=None, console=False):
+    """Run train_grpo.py under torchrun; returns the completed process (console=True: stderr joins stdout, in
+    the order a terminal shows them)."""
     cmd = [
         sys.executable,
         "-m",
@@ -33,9 +35,15 @@ def train(out_dir, *flags, ranks=1, check=True, env=None):
         str(out_dir),
         *flags,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    err = subprocess.STDOUT if console else subprocess.PIPE
+    how = dict(cwd=REPO, stdout=subprocess.PIPE, stderr=err, timeout=600, env={**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, **how, text=not console)  # text=True would turn a carriage return into a newline
+    if console:
+        proc.stdout = proc.stdout.decode(errors="replace")
     if check and proc.returncode != 0:
-        raise AssertionError(f"train_grpo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"train_grpo.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{(proc.stderr or '')[-5000:]}"
+        )
     return proc
 
 
@@ -57,8 +65,8 @@ def vllm_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     for ranks in (1, 2):
         shared = "--share-prompts" if ranks == 2 else "--no-share-prompts"
-        proc = train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", shared, ranks=ranks)
-        (root / f"ranks{ranks}.log").write_text(proc.stdout)
+        proc = train(root / f"ranks{ranks}", *SMALL, "--rollout", "vllm", shared, ranks=ranks, console=True)
+        (root / f"ranks{ranks}.log").write_text(proc.stdout, newline="")  # stdout and stderr, as the console shows them
     return root
 
 
@@ -90,7 +98,7 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
         assert row["training/rollout_logprob_diff_max"] <= 1e-4  # engine and trainer agree (fp32)
     assert "val-core/synthetic/digits/reward/mean@1" in rows[2]
     log_text = (vllm_runs / "ranks1.log").read_text()
-    assert "demo: the tiny model learns from scratch" in log_text
+    assert "demo: a tiny model learns the digits task from scratch" in log_text
     assert "validation samples, step 0:" in log_text and "ground_truth" in log_text  # the sample table
     # a quiet console: none of vLLM's INFO lines, at start-up or at each weight sync
     assert " INFO " not in log_text and "Reloading and processing weights" not in log_text
@@ -108,6 +116,56 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     start = AutoModelForCausalLM.from_pretrained(run / "tiny_model").state_dict()
     trained = final_weights(run)
     assert any(not torch.equal(trained[k], start[k]) for k in trained)
+
+
+def console_lines(text):
+    """The console as a terminal shows it: within a line, each carriage return goes back to its start and the
+    text after it overwrites what was there (a progress bar's redraws are one line); trailing blanks dropped."""
+    lines = []
+    for line in text.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part) :]
+        lines.append(shown.rstrip())
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
+# The demo's console (SMALL's run), line by line: the run's story, on rank 0 alone, and no third-party warning.
+# Health warnings come and go with the run's numbers (and the machine's load: step times), so they are left out.
+STORY = [
+    r"demo: a tiny model learns the digits task from scratch, so config\.DEMO_OVERRIDES replaces some of verl's defaults",
+    r"compute dtype: fp32 \(.+\)",
+    r"config: model=\S+/tiny_model train_data=.+; the other flags have their defaults \(all of them: \S+/config\.json\)",
+    r"rollout engine: VLLMEngine, KV cache of [\d,]+ tokens",
+    r"validation samples, step 0:",
+    r"prompt +\| response +\| ground_truth \| score",
+    r"-{100,}",
+    *[r"\.\.\..+ \| .+ \| \d +\| \d\.\d{3}"] * 3,
+    r"step 0: val-core/synthetic/digits/reward/mean@1=\d\.\d{4}",
+    r"step 2: val-core/synthetic/digits/reward/mean@1=\d\.\d{4}",
+    r"Training Progress: 100%\|.+\| 2/2 \[.+\]",
+    r"saved the policy to \S+/final_model",
+    r"health report: \S+/report\.md: (healthy|watch|problem) \(\d+ problem, \d+ watch, \d+ healthy\)",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_console_tells_the_runs_story(vllm_runs, ranks):
+    """Everything the demo prints, stdout and stderr, at 1 and 2 ranks: no vLLM, torch or FSDP warning (console.py
+    keeps those off unless --verbose), no line twice from two ranks. The config's line may wrap."""
+    with open(vllm_runs / f"ranks{ranks}.log", newline="") as f:  # carriage returns kept
+        lines = console_lines(f.read())
+    story = []
+    for line in lines:
+        if line.startswith("  ") and story and story[-1].startswith("config: "):
+            story[-1] += " " + line.strip()  # the config line, wrapped
+        elif not line.startswith("health: "):
+            story.append(line)
+    assert len(story) == len(STORY), "\n".join(lines)
+    for line, pattern in zip(story, STORY):
+        assert re.fullmatch(pattern, line), f"{line!r} is not {pattern!r}; the console:\n" + "\n".join(lines)
+    assert len(lines) <= 30
 
 
 @pytest.mark.slow
