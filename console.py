@@ -5,10 +5,17 @@ drop. Any other warning, and every error, still shows. vLLM's INFO lines are the
 (vllm_engine.py asks vLLM for warnings and errors only, and drops the rotary warning of every weight sync)."""
 
 import logging
+import os
 import re
+import sys
 import textwrap
 import warnings
 from collections import namedtuple
+
+# torch reads its C++ log level (TORCH_CPP_LOG_LEVEL) once, as it loads: train_grpo.py imports this module before
+# torch, so that level is ERROR unless --verbose (or the variable is set already). See the note below PYTHON_WARNINGS.
+if "--verbose" not in sys.argv:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 # A message kept off the console: its origin (a logger's or a warning's module), how it starts, why it is safe;
 # a Python warning's category
@@ -90,8 +97,8 @@ PYTHON_WARNINGS = [
     ),
 ]
 
-# torch's C++ log (c10): torch reads its level from TORCH_CPP_LOG_LEVEL once, as it loads, so train_grpo.py sets
-# ERROR before its first import of torch, unless --verbose (or the variable is set already). Its one warning in
+# torch's C++ log (c10): importing this module before torch sets its level to ERROR (the top of this file), unless
+# --verbose (or the variable is set already). Its one warning in
 # our runs is vLLM's CPU worker binding memory to a NUMA node ("NUMA binding: Using MEMBIND policy ..."), which
 # vLLM always does there and offers no setting for. A C++ warning raised inside a torch call still becomes a
 # Python warning and shows; C++ errors show.

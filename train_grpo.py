@@ -14,14 +14,12 @@ names. With --tools, each response is a conversation: the model's turns and its 
 the reward (we use the KL loss, as verl's GRPO examples do), and sequence packing.
 """
 
-import os
-import sys
-
-if "--verbose" not in sys.argv:  # read once, as torch loads: console.py says what this keeps off the console
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+import console  # noqa: I001  first, before torch loads: it keeps torch's C++ warnings off the console
 
 import dataclasses
 import math
+import os
+import sys
 import time
 from functools import partial
 
@@ -29,7 +27,6 @@ import torch
 
 import bands
 import checkpoint
-import console
 import data_prep
 import distill
 import health
