@@ -4,6 +4,7 @@ whole console is pinned end to end in test_train_grpo.py (test_the_console_tells
 
 import dataclasses
 import logging
+import re
 import warnings
 
 import pytest
@@ -14,10 +15,15 @@ from config import Args
 
 @pytest.fixture
 def quieted(request):
-    """console.quiet(verbose) for one test: its logger filters and warning filters are undone after it."""
+    """console.quiet(verbose) for one test, from a process where it never ran (an earlier test in this worker may
+    have run train_grpo's or eval's main, which call it): its logger filters and warning filters are undone after."""
     loggers = {s.origin: logging.getLogger(s.origin) for s in console.VLLM_LOGS}
     before = {name: list(logger.filters) for name, logger in loggers.items()}
+    for logger in loggers.values():
+        logger.filters[:] = [f for f in logger.filters if not isinstance(f, console.DropKnown)]
+    ours = {re.escape(s.origin) + r"\Z" for s in console.PYTHON_WARNINGS}
     with warnings.catch_warnings():
+        warnings.filters[:] = [f for f in warnings.filters if getattr(f[3], "pattern", None) not in ours]
         warnings.simplefilter("always")  # what is not silenced is seen every time
         console.quiet(request.param)
         yield loggers

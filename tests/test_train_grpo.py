@@ -437,7 +437,7 @@ def test_a_huge_learning_rate_is_reported_as_a_problem(tmp_path):
     assert report.startswith("# Run health") and "Overall: **problem**" in report
     assert "| update size (largest one-step entropy drop) |" in report
     line = next(x for x in report.splitlines() if x.startswith("| update size"))
-    assert "**PROBLEM** | <= 50% (more: the learning rate is too high) |" in line
+    assert "**PROBLEM** | <= 50% (more, in a run that did not learn: the learning rate is too high) |" in line
 
 
 def test_large_cpu_tensors_get_huge_pages():
