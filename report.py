@@ -233,7 +233,7 @@ def stability(rows, train, monitor, learn, b):
     )
     verdict = (
         "problem"
-        if all_zero > len(zs) / 4 and not learn[3]
+        if all_zero > max(len(zs) / 4, 2) and not learn[3]  # a short run's first step or two: often all 0
         else "watch"
         if all_zero or tail.mean() > 0.5
         else "healthy"

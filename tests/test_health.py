@@ -493,3 +493,18 @@ def test_planted_failures_are_still_problems(tmp_path, name):
     path, counts = report.write_report(str(tmp_path / "run"))
     got = verdicts(open(path).read())
     assert counts["overall"] == "problem" and {k: got[k] for k in problems} == dict.fromkeys(problems, "problem"), got
+
+
+def test_a_short_runs_first_step_without_an_advantage_is_a_watch(tmp_path):
+    """The demo for 3 steps from scratch: a random policy is right about once in 400 tries, so its first step
+    often has every group's rewards equal (every advantage 0). One such step of 3 said PROBLEM; it is a watch.
+    More than two such steps, over a quarter of the run, in a run that did not learn, is still a problem."""
+    rows = [step_row(s, **{"critic/score/mean": 0.004 * (s > 1), "frac_reward_zero_std": 1.0 if s == 1 else 0.97})
+            for s in (1, 2, 3)]  # fmt: skip
+    write_run(tmp_path / "short", rows, max_steps=3)
+    path, counts = report.write_report(str(tmp_path / "short"))
+    assert verdicts(open(path).read())["advantages"] == "watch" and counts["problem"] == 0, open(path).read()
+    rows = [step_row(s, **{"critic/score/mean": 0.0, "frac_reward_zero_std": 1.0}) for s in range(1, 5)]
+    write_run(tmp_path / "stuck", rows, max_steps=4)
+    path, counts = report.write_report(str(tmp_path / "stuck"))
+    assert verdicts(open(path).read())["advantages"] == "problem"
