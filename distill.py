@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from distributed import all_sum
 from model_dir import check_model_path
-from policy import compute_logprobs, load_frozen, make_batch, reference_logprobs
+from policy import load_frozen, make_batch, reference_logprobs
 from reward import BUILTIN_SOURCES, compute_score
 from run_log import timed
 
@@ -81,30 +81,19 @@ def all_max(x, device):
 
 
 # ----------------------------------------------------------------------------------------------
-# One step's log-prob passes: old, reference, teacher
+# One step's teacher pass
 
 
-def logprob_passes(batch, policy, frozen, advantages, *, samples, args, on_policy, device, timing):
-    """The passes before the update, timed under verl's names: the old log-probs (old_log_prob: on-policy
-    they are the current ones, not recomputed for the loss; the teacher's term still needs them), the
-    reference's (ref, --kl-coef) and the teacher's (teacher), whose term then joins batch["advantages"]
-    (add_teacher_term). frozen: {"reference", "teacher"} (train_grpo.load_trainer); samples: each row's
-    dataset row (OPSD's teacher prompt). Returns (the advantages to log: per token with a teacher, else
-    `advantages` as given; the distill/* metrics, {} without a teacher)."""
+def teacher_term(batch, policy, teacher, old, *, samples, args, device, timing):
+    """The teacher's pass (timed as teacher) after the old and reference ones (train_grpo.logprob_passes): it
+    scores the student's tokens with policy.reference_logprobs, and its term, with the old log-probs `old`, joins
+    batch["advantages"] (add_teacher_term). samples: each row's dataset row (OPSD's teacher prompt). Returns the
+    per-token advantages to log and the distill/* metrics."""
     how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
-    with timed(timing, "old_log_prob"):
-        old = compute_logprobs(policy, batch, device=device, **how) if args.teacher or not on_policy else None
-        batch["old_logp"] = None if on_policy else old  # on-policy the loss uses its own, detached
-    with timed(timing, "ref"):
-        if args.kl_coef > 0:
-            batch["ref_logp"] = reference_logprobs(policy, frozen["reference"], batch, device=device, **how)
-    if not args.teacher:
-        return advantages, {}
     with timed(timing, "teacher"):
         scored = teacher_batch(batch, [r["teacher_prompt_ids"] for r in samples]) if args.teacher_prompt_key else batch
-        teacher_logp = reference_logprobs(policy, frozen["teacher"], scored, device=device, **how)
-    how = dict(coef=args.distill_coef, reward=args.reward, device=device)
-    metrics = add_teacher_term(batch, teacher_logp, old, **how)
+        teacher_logp = reference_logprobs(policy, teacher, scored, device=device, **how)
+    metrics = add_teacher_term(batch, teacher_logp, old, coef=args.distill_coef, reward=args.reward, device=device)
     return batch["advantages"][batch["response_mask"].bool()], metrics
 
 

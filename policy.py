@@ -166,17 +166,18 @@ def fusable_head(model):
 
 
 def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True):
-    """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32;
-    with entropy=False the entropy is not computed (None), as the old and reference log-probs need.
+    """Per-token log-probs of a window's response tokens and the entropies there, ([b, r], [b, r]) fp32. With z
+    the model's logits at the positions that predict the response tokens and T the temperature, they are
 
-    The head and the log-softmax run together, a block of tokens x vocabulary entries at a time
-    (logprobs.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
-    pass we have the model call our function in place of its LM head's forward, where FSDP2 has
-    gathered the head's weight (with shared prompts, on the second forward, with the hidden states
-    the first left). Other heads go through the logits (response_logits). The entropy is that of
-    the sampling distribution, softmax(z / temperature), as verl's actor computes it; it carries a
-    gradient only with entropy_grad (the loss's entropy bonus), otherwise it is logged only.
-    """
+        logp = log_softmax(z / T).gather(-1, responses)    entropy = -(softmax(z / T) * log_softmax(z / T)).sum(-1)
+
+    the sampling distribution's, as verl's actor computes them. A model whose head is more than one matmul takes
+    that path as written (response_logits). Others get the same numbers without the [b, r, V] logits: the model
+    calls head_logprobs_entropy in place of its LM head's forward, a block of tokens x vocabulary entries at a
+    time, and with shared prompts (view["group"] > 1) runs each prompt once under its n responses
+    (_forward_responses). Equal in value and gradient: tests/test_policy.py's fused-head and shared-prompt tests.
+    entropy=False skips the entropy (None), as the old and reference log-probs need; it carries a gradient only
+    with entropy_grad (the loss's entropy bonus), otherwise it is logged only."""
     head, labels = fusable_head(model), view["responses"].to(device)
     if head is None:
         logits = response_logits(model, view, device)

@@ -1,7 +1,8 @@
 """What every rank sets up before it trains or generates, a trainer and a rollout rank alike: the seeds, the
 device mesh and compute dtype, the tokenizer and the tokens that end a response, the tools, the data and the
 reward functions; and, at the end, closing what it started. train_grpo.py and rollout_rank.py call these in
-the same order, so both sides of a run read the same inputs the same way."""
+the same order, so both sides of a run read the same inputs the same way. Before any of it loads, the trainer
+checks the inputs its flags name (check_inputs)."""
 
 import os
 import random
@@ -12,14 +13,36 @@ import torch.distributed as dist
 
 import data_prep
 import distill
+import lora
+import reward_model
 import run_dir
 from engine import stop_token_ids
 from flag_rules import reward_specs, reward_weights
+from model_dir import check_context_length, check_model_path
 from multi_turn import start_tools
 from policy import compute_dtype
 from reward import compute_score, load_reward_fns
 from trl_rewards import check_data
 from user_errors import RewardError
+
+
+def check_inputs(args):
+    """Everything named by a flag is checked before the engine loads: a missing directory, weights or
+    tokenizer, or a truncated download is named now, not by vLLM later."""
+    try:
+        check_model_path(args.model)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
+        check_context_length(args.model, args.max_prompt_length, args.max_response_length)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if args.lora_rank:
+        lora.check_targets(args.model, args.lora_target_modules)
+    if args.reward_model:  # its directory is checked like the policy's, before anything loads
+        reward_model.check_reward_model(args.reward_model)
+    if args.teacher:  # a model directory with the student's tokenizer (distill.py)
+        distill.check_teacher(args)
 
 
 def start(args, world, device):

@@ -58,13 +58,14 @@ from eval import keep_best
 from loss import micro_batch_loss
 from loss_agg import agg_denominator, loss_agg_for
 from memory import check_update_memory
-from model_dir import check_model_path
 from policy import (
+    compute_logprobs,
     diverged_message,
     load_policy,
     make_batch,
     micro_batches,
     move_optimizer_states,
+    reference_logprobs,
     response_logprobs,
     save_hf,
     update_may_overflow,
@@ -87,27 +88,6 @@ def lr_factor(step, args, total_steps):
         progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
         return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return 1.0
-
-
-def check_inputs(args):
-    """Everything named by a flag is checked before the engine loads: a missing directory, weights or
-    tokenizer, or a truncated download is named now, not by vLLM later."""
-    try:
-        check_model_path(args.model)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--model: {e}") from None
-    from model_dir import check_context_length
-
-    try:  # vLLM's own error for this suggests VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which gives NaN past the positions
-        check_context_length(args.model, args.max_prompt_length, args.max_response_length)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    if args.lora_rank:
-        lora.check_targets(args.model, args.lora_target_modules)
-    if args.reward_model:  # its directory is checked like the policy's, before anything loads
-        reward_model.check_reward_model(args.reward_model)
-    if args.teacher:  # a model directory with the student's tokenizer (distill.py)
-        distill.check_teacher(args)
 
 
 def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
@@ -141,6 +121,20 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
 
 # ----------------------------------------------------------------------------------------------
 # One step's pieces: the loss, the update
+
+
+def logprob_passes(batch, policy, reference, *, args, on_policy, device, timing):
+    """Step 5, timed under verl's names: the old log-probs (old_log_prob), recomputed only when the update is not
+    exactly on-policy (on-policy the loss uses its own, detached) or a teacher's term needs them, and the frozen
+    reference's (ref) with --kl-coef > 0. Sets batch["old_logp"] and batch["ref_logp"]; returns the old ones or None."""
+    how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
+    with timed(timing, "old_log_prob"):
+        old = compute_logprobs(policy, batch, device=device, **how) if args.teacher or not on_policy else None
+        batch["old_logp"] = None if on_policy else old
+    with timed(timing, "ref"):
+        if args.kl_coef > 0:
+            batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **how)
+    return old
 
 
 def update_policy(policy, optimizer, batch, *, step, args, world, device):
@@ -270,7 +264,7 @@ def main():
     mesh, dtype, why = startup.start(args, world, device)
     resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
     data_prep.demo_inputs(args, rank)  # the demo makes its own model and data
-    check_inputs(args)
+    startup.check_inputs(args)
     if placement:  # the flags as resolved here (the demo's paths, the dtype) to the rollout ranks
         rollout_ranks.send_flags(placement, args)
     config = dataclasses.asdict(args)
@@ -347,9 +341,12 @@ def main():
         # ---- advantages, and the batch the update takes
         batch, advantages, mask = training_batch(ro, samples, args, pad_id, device)
 
-        # ---- old, reference and teacher log-probs; with --teacher, its term joins each token's advantage
-        how = dict(samples=samples, args=args, on_policy=on_policy, device=device, timing=timing)
-        advantages, distilled = distill.logprob_passes(batch, policy, frozen, advantages, **how)
+        # ---- old and reference log-probs; with --teacher, the teacher's term joins each token's advantage
+        how = dict(args=args, device=device, timing=timing)
+        old = logprob_passes(batch, policy, frozen["reference"], on_policy=on_policy, **how)
+        distilled = {}  # distill/*
+        if args.teacher:
+            advantages, distilled = distill.teacher_term(batch, policy, frozen["teacher"], old, samples=samples, **how)
 
         # ---- policy update: ppo_epochs x mini-batches x micro-batches
         with timed(timing, "update_actor"):
