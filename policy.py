@@ -103,7 +103,8 @@ def window(batch, rows):
     return view  # response tensors [b, r]
 
 
-PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp")  # [N, R] tensors a batch may carry
+PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp", "teacher_logp")  # [N, R] tensors a batch may carry
+PER_TOKEN += ("teacher_topk_logp", "teacher_topk_ids")  # [N, R, K]: forward_kl_topk's teacher (distill.py)
 
 
 def _forward_responses(model, view, device):
@@ -165,9 +166,10 @@ def fusable_head(model):
     return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
 
 
-def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True):
+def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True, extra_ids=None):
     """Log-probs of a window's response tokens and the entropies there: ([b, r], [b, r]) fp32;
     with entropy=False the entropy is not computed (None), as the old and reference log-probs need.
+    extra_ids [b, r, K] (forward_kl_topk's teacher ids): the log-probs are [b, r, 1 + K], from the same pass.
 
     The head and the log-softmax run together, a block of tokens x vocabulary entries at a time
     (logprobs.head_logprobs_entropy), so the [b, r, V] logits are never held whole: for the forward
@@ -177,22 +179,30 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
     the sampling distribution, softmax(z / temperature), as verl's actor computes it; it carries a
     gradient only with entropy_grad (the loss's entropy bonus), otherwise it is logged only.
     """
-    head, labels = fusable_head(model), view["responses"].to(device)
-    if head is None:
+    labels, extra = view["responses"].to(device), None if extra_ids is None else extra_ids.to(device)
+    if fusable_head(model) is None:
         logits = response_logits(model, view, device)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = entropy_from_logits(logits, temperature=temperature) if entropy else None
-        return logprobs_from_logits(logits, labels, temperature), ent
-    hidden, out = [], {}
-    calls = 1 if view.get("group", 1) == 1 or labels.shape[1] == 1 else 2  # _forward_responses' head calls
+        ids = labels if extra is None else torch.cat([labels[..., None], extra], -1)
+        return logprobs_from_logits(logits, ids, temperature), ent
+    fused = lambda h, w: head_logprobs_entropy(h, w, labels, temperature, entropy=entropy, extra_ids=extra)  # noqa: E731
+    logp, ent = run_head(model, view, device, fused)
+    return logp, ent if entropy_grad or ent is None else ent.detach()
+
+
+def run_head(model, view, device, head_fn):
+    """Runs the model on a window (_forward_responses) with its plain LM head (fusable_head) replaced by
+    head_fn(hidden [b, r, H], the head's weight [V, H]), called once with the hidden states of every position that
+    predicts a response token (with shared prompts, on the second forward, with those the first left, and where
+    FSDP2 has gathered the weight); returns what head_fn returned."""
+    head, hidden, out = fusable_head(model), [], []
+    calls = 1 if view.get("group", 1) == 1 or view["responses"].shape[1] == 1 else 2  # _forward_responses' calls
 
     def fused(h):  # the hidden states the head sees; the last call has them all
         hidden.append(h)
         if len(hidden) == calls:
-            h_all = combine_head_outputs(hidden, view)  # [b, r, H]
-            out["logp"], out["entropy"] = head_logprobs_entropy(
-                h_all, head.weight, labels, temperature, entropy=entropy
-            )
+            out.append(head_fn(combine_head_outputs(hidden, view), head.weight))  # [b, r, H]
         return h[..., :1]  # what the model returns as its "logits"; unused
 
     head.forward = fused
@@ -200,8 +210,7 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
         _forward_responses(model, view, device)
     finally:
         del head.forward  # the class's forward again
-    ent = out["entropy"]
-    return out["logp"], ent if entropy_grad or ent is None else ent.detach()
+    return out[0]
 
 
 @torch.no_grad()

@@ -73,6 +73,47 @@ def test_a_teacher_equal_to_the_student_adds_exactly_zero(one_rank):
     assert metrics["distill/reverse_kl/mean"] == metrics["distill/reverse_kl/max"] == 0.0
 
 
+def test_a_teacher_with_non_finite_log_probs_is_named(one_rank):
+    """A teacher whose weights hold NaN gives NaN log-probs; the run stops naming --teacher, not the student's --lr."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    distill.check_teacher_logp(torch.tensor([[-1.0, -2.0, float("nan")]]), mask, Args(teacher="t"), "cpu")  # padding
+    with pytest.raises(SystemExit, match=r"--teacher runs/x/final_model: 1 of the student's tokens got a non-finite"):
+        distill.check_teacher_logp(
+            torch.tensor([[-1.0, float("nan"), -1.0]]), mask, Args(teacher="runs/x/final_model"), "cpu"
+        )
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_teachers_top_k_pass_equals_the_full_softmax(tmp_path, fused, monkeypatch):
+    """forward_kl_topk's teacher pass on a real (tiny) model, micro-batch by micro-batch with shared prompts: the
+    sampled tokens' log-probs and the top k's, at the same ids, as log_softmax of the model's whole logits; through
+    the fused head's blocks, and through the logits for a head that is not a plain linear layer."""
+    import policy
+
+    torch.manual_seed(0)
+    model = policy.load_model(build_tiny_model(str(tmp_path / "m"), TASK_WORDS, hidden=64), torch.float32, "cpu")
+    V = model.config.vocab_size
+    prompts, responses = [[1, 5, 6]] * 2 + [[1, 7]] * 2, [[8, 9, 4], [10], [11, 12], [5, 5, 5]]
+    batch = make_batch(prompts, responses, pad_id=0, group=2)
+    if not fused:
+        monkeypatch.setattr(distill, "fusable_head", lambda model: None)
+    how = dict(micro=2, max_tokens=0, temperature=0.9, device="cpu")
+    logp, top_logp, top_ids = distill.teacher_topk(model, model, batch, k=5, vocab=V, **how)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    P = batch["prompt_width"]
+    full = torch.log_softmax(logits[:, P - 1 : -1].double() / 0.9, -1)  # [N, R, V]
+    on = batch["response_mask"].bool()
+    want = full.topk(5, -1)
+    torch.testing.assert_close(
+        logp[on].double(), full.gather(-1, batch["responses"][..., None])[..., 0][on], atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(top_logp[on].double(), want.values[on], atol=1e-5, rtol=0)
+    assert torch.equal(top_ids[on], want.indices[on])
+    with pytest.raises(SystemExit, match="--distill-topk 99: more than the student's"):
+        distill.teacher_topk(model, model, batch, k=99, vocab=V, **how)
+
+
 def test_opsds_teacher_reads_its_prompt_then_the_students_response_ids_exactly():
     prompts, responses = [[5, 6, 7]] * 2 + [[8]] * 2, [[1, 2], [3], [4, 4, 4], []]
     batch = make_batch(prompts, responses, pad_id=99, group=2, model_mask=[[1, 0], [1], [1, 1, 1], []])
