@@ -274,9 +274,7 @@ def main():
     if resume_from:  # a finished run ends here, before the engine loads
         with rollout_ranks.stopped_if_exiting(placement):
             run_dir.end_if_finished(resume_from, args, total_steps, rank)
-    reward_fn = startup.reward_fn(
-        args, train_rows, val_rows, scores=placement is None
-    )  # with --rollout-ranks, they score
+    reward_fn = startup.reward_fn(args, train_rows, val_rows, scores=placement is None)  # rollout ranks: they score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
     engine = None if placement else start_engine(args, world, ranks_here, device, dtype)
