@@ -18,6 +18,7 @@ import lora
 import safe_write
 from distributed import full_tensor
 from logprobs import compiled_or_not, entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
+from model_dir import load_checked
 
 # ----------------------------------------------------------------------------------------------
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
@@ -192,10 +193,9 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
 
 
 def run_head(model, view, device, head_fn):
-    """Runs the model on a window (_forward_responses) with its plain LM head (fusable_head) replaced by
-    head_fn(hidden [b, r, H], the head's weight [V, H]), called once with the hidden states of every position that
-    predicts a response token (with shared prompts, on the second forward, with those the first left, and where
-    FSDP2 has gathered the weight); returns what head_fn returned."""
+    """Runs the model on a window (_forward_responses), its plain LM head (fusable_head) replaced by head_fn(hidden
+    [b, r, H], weight [V, H]): called once, where FSDP2 has gathered the weight, with every response position's
+    hidden states (shared prompts: the first forward's and the second's). Returns what head_fn returned."""
     head, hidden, out = fusable_head(model), [], []
     calls = 1 if view.get("group", 1) == 1 or view["responses"].shape[1] == 1 else 2  # _forward_responses' calls
 
@@ -261,7 +261,7 @@ def load_model(path, dtype, device):
     (trust_remote_code=False): model_dir.check_model_path refuses a directory that needs it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = load_checked(AutoModelForCausalLM, path, dtype=dtype)  # refused if the weights lack a parameter
     return model.to(device)
 
 
