@@ -258,6 +258,15 @@ def load_teacher(args, policy, reference, *, mesh, device, dtype):
     return load_frozen(args.teacher, mesh, device, dtype, offload=args.offload in ("params", "both"))
 
 
+def teacher_fingerprint(args, teacher):
+    """One number that identifies a frozen teacher's weights (lora.base_fingerprint's sums), kept in every
+    checkpoint: the teacher is never saved, so checkpoint.check_teacher refuses to resume with other weights at
+    the same path. None for `self` (the policy, checkpointed) and for LoRA's base (None: its own fingerprint)."""
+    if teacher is None or args.teacher == SELF:
+        return None
+    return lora.base_fingerprint(teacher)
+
+
 def labelled_reward(data_source, solution_str, ground_truth, extra_info=None):
     """--no-reward's score (verl's signature), logged but never trained on: the built-in reward where a row
     has a ground truth and a built-in data_source, else 0 (pure distillation's rows need neither)."""

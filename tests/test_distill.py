@@ -114,6 +114,31 @@ def test_the_teachers_top_k_pass_equals_the_full_softmax(tmp_path, fused, monkey
         distill.teacher_topk(model, model, batch, k=99, vocab=V, **how)
 
 
+def test_a_teacher_whose_weights_changed_is_refused_on_resume_unless_allowed(tmp_path, capsys):
+    """The teacher is never checkpointed, only its fingerprint: other weights at the same --teacher path would make
+    the resumed run learn from another teacher. Refused, or accepted with --allow-changed teacher and said."""
+    import checkpoint
+    import lora
+    import policy
+
+    model = build_tiny_model(str(tmp_path / "t"), TASK_WORDS, hidden=64)
+    teacher = policy.load_model(model, torch.float32, "cpu").requires_grad_(False)
+    args = Args(teacher=model)
+    saved = distill.teacher_fingerprint(args, teacher)
+    assert (
+        saved == lora.base_fingerprint(teacher) and distill.teacher_fingerprint(Args(teacher="self"), teacher) is None
+    )
+    checkpoint.check_teacher(saved, saved, "ckpt", args)  # the same teacher
+    checkpoint.check_teacher(None, saved, "ckpt", args)  # a checkpoint from before fingerprints
+    with torch.no_grad():
+        teacher.lm_head.weight[0, 0] += 0.5  # the directory's files replaced between runs
+    changed = distill.teacher_fingerprint(args, teacher)
+    with pytest.raises(SystemExit, match="its weights are not those ckpt was trained with .* would mix two teachers"):
+        checkpoint.check_teacher(saved, changed, "ckpt", args)
+    checkpoint.check_teacher(saved, changed, "ckpt", Args(teacher=model, allow_changed="teacher"))
+    assert "going on with this teacher (--allow-changed teacher)" in capsys.readouterr().out
+
+
 def test_opsds_teacher_reads_its_prompt_then_the_students_response_ids_exactly():
     prompts, responses = [[5, 6, 7]] * 2 + [[8]] * 2, [[1, 2], [3], [4, 4, 4], []]
     batch = make_batch(prompts, responses, pad_id=99, group=2, model_mask=[[1, 0], [1], [1, 1, 1], []])
