@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import lora
-from distributed import all_sum
+from distributed import all_sum, print0
 from logprobs import head_topk_logprobs
 from loss import teacher_in_loss
-from model_dir import check_model_path
+from model_dir import check_model_path, context_length
 from policy import (
     fusable_head,
     load_frozen,
@@ -241,6 +241,37 @@ def teacher_prompts(args, tokenizer, rows):
         row["teacher_prompt_ids"] = tokenizer.apply_chat_template(
             value, add_generation_prompt=True, tokenize=True, return_dict=False
         )
+
+
+def fitting_teacher_prompts(args, rows):
+    """The rows whose teacher prompt (teacher_prompts) and a longest response fit the teacher's positions
+    (teacher_prompt_limit); the others are dropped and counted, as prompts longer than --max-prompt-length are.
+    Fewer rows left than --prompt-batch-size: a SystemExit. Without --teacher-prompt-key: the rows as they are."""
+    key = args.teacher_prompt_key
+    if not key:
+        return rows
+    limit, why = teacher_prompt_limit(args)
+    kept = [r for r in rows if len(r["teacher_prompt_ids"]) <= limit]
+    if len(kept) < len(rows):
+        print0(f"train data: dropped {len(rows) - len(kept)} of {len(rows)} rows whose teacher prompt ({key!r}) is longer than {limit} tokens ({why})")  # fmt: skip
+    if len(kept) < args.prompt_batch_size:
+        raise SystemExit(
+            f"{args.train_data}: {len(kept)} rows with a teacher prompt ({key!r}) of at most {limit} tokens ({why}), "
+            f"fewer than --prompt-batch-size {args.prompt_batch_size}: shorten the teacher prompts"
+        )
+    return kept
+
+
+def teacher_prompt_limit(args):
+    """(The most tokens a teacher prompt may hold, why): the teacher's context length (model_dir.context_length of
+    --teacher, or --model's for self) less --max-response-length, since the teacher reads its prompt and then a
+    whole response; --max-prompt-length where the context length is unknown (a hub id)."""
+    path = args.model if args.teacher == SELF else args.teacher
+    context, source = context_length(path)
+    if context is None:
+        return args.max_prompt_length, "--max-prompt-length; the teacher's context length is unknown"
+    limit = context - args.max_response_length
+    return limit, f"the teacher's {context} positions ({source}) less --max-response-length {args.max_response_length}"
 
 
 def load_teacher(args, policy, reference, *, mesh, device, dtype):

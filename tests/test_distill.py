@@ -5,6 +5,7 @@ model: 1 and 2 ranks alike, a kill -9 and a SIGTERM resumed exactly, LoRA with i
 distillation on rows without a ground truth, a bf16 teacher held in bf16; on the real Qwen2.5 tokenizer, --tools
 (the teacher's term on the model's tokens only) and which teachers it accepts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -163,6 +164,22 @@ def test_teacher_prompts_are_rendered_from_a_column_or_extra_info_and_a_missing_
     )
     with pytest.raises(SystemExit, match="train.parquet: row 1 has no teacher prompt 'solution'"):
         distill.teacher_prompts(args, tokenizer, [rows[0], {"prompt": []}])
+
+
+def test_teacher_prompts_longer_than_the_teachers_positions_are_dropped_and_counted(tmp_path, capsys):
+    """A teacher prompt is bounded by the teacher's context (512 positions for the tiny model) less the longest
+    response: longer ones are dropped with a count that says why; too few left to fill a step is refused."""
+    teacher = build_tiny_model(str(tmp_path / "m"), TASK_WORDS)  # max_position_embeddings 512
+    rows = [{"teacher_prompt_ids": [1] * n} for n in (10, 400, 500, 20)]
+    args = Args(teacher=teacher, teacher_prompt_key="hint", max_response_length=100, prompt_batch_size=2)
+    kept = distill.fitting_teacher_prompts(args, rows)
+    assert [len(r["teacher_prompt_ids"]) for r in kept] == [10, 400, 20]
+    out = capsys.readouterr().out
+    assert "dropped 1 of 4 rows whose teacher prompt ('hint') is longer than 412 tokens" in out
+    assert "the teacher's 512 positions (max_position_embeddings" in out and "--max-response-length 100" in out
+    with pytest.raises(SystemExit, match="2 rows with a teacher prompt .* fewer than --prompt-batch-size 3"):
+        distill.fitting_teacher_prompts(dataclasses.replace(args, max_response_length=200, prompt_batch_size=3), rows)
+    assert distill.fitting_teacher_prompts(Args(), rows) is rows  # no --teacher-prompt-key
 
 
 def test_a_vocabulary_difference_is_named(tmp_path):
