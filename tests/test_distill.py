@@ -7,6 +7,7 @@ distillation on rows without a ground truth, a bf16 teacher held in bf16; on the
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -522,3 +523,46 @@ def test_sigterm_during_opd_saves_and_the_rerun_continues_exactly(whole, teacher
     for x, y in zip(a[1:], b[1:]):
         for key in [*COMPARED, "distill/reverse_kl/max", "distill/teacher_logp/mean", "response_length/mean"]:
             assert x[key] == y[key], (x["step"], key, x[key], y[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--distill-loss", "forward_kl_topk", "--distill-topk", "4", "--no-reward", "--distill-logp-clamp", "-10"],
+        ["--distill-loss", "low_var_kl", "--distill-loss-clamp", "5"],
+        ["--distill-loss", "k1", "--distill-clip", "0.2", "--micro-batch-size", "4"],
+    ],
+    ids=["forward_kl_topk pure", "k3 beside the reward", "k1 with its own clip"],
+)
+def test_each_distill_loss_trains_end_to_end_and_logs_verls_metrics(teacher, tmp_path, flags):
+    """Two steps of the tiny model with a teacher's term in the loss: finite updates, the term logged under verl's
+    names (distill/loss, loss_max, loss_min; forward_kl_topk's masses), the reverse KL as for k1; without a reward
+    the advantages are 0 and the teacher's term is what trains."""
+    train(tmp_path, *RUN, "--max-steps", "2", "--teacher", teacher, *flags)
+    rows = [r for r in metrics(tmp_path) if "actor/grad_norm" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["actor/grad_norm"] > 0 and all(map(math.isfinite, (r["actor/grad_norm"], r["distill/loss"])))
+        assert r["distill/loss_min"] <= r["distill/loss_max"] and r["distill/reverse_kl/mean"] != 0
+        if "forward_kl_topk" in flags:
+            assert 0 < r["distill/student_mass"] < 1 and 0 < r["distill/teacher_mass"] <= 1
+            assert r["distill/loss_min"] >= 0 and r["critic/advantages/max"] == r["critic/advantages/min"] == 0
+
+
+@pytest.mark.slow
+def test_a_teacher_with_nan_weights_is_named_not_blamed_on_the_learning_rate(teacher, tmp_path):
+    """The hostile case: a teacher whose weights are all NaN. The run stops at its first step naming --teacher;
+    before, every update was skipped and the run said "diverged ... Lower --lr"."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan_teacher"
+    subprocess.run(["cp", "-r", teacher, str(broken)], check=True)
+    (weights,) = broken.glob("*.safetensors")
+    save_file(
+        {k: torch.full_like(v, math.nan) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"}
+    )
+    proc = train(tmp_path / "run", *RUN, "--max-steps", "2", "--teacher", str(broken), check=False)
+    assert proc.returncode != 0
+    assert f"--teacher {broken}: " in proc.stderr and "non-finite teacher log-prob" in proc.stderr, proc.stderr[-3000:]
+    assert "Lower --lr" not in proc.stdout + proc.stderr

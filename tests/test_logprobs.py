@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import logprobs
 from logprobs import entropy_from_logits, head_logprobs_entropy, head_topk_logprobs, logprobs_from_logits
 
 
@@ -173,10 +174,17 @@ def test_head_logprobs_keep_no_logits_and_skip_a_frozen_heads_gradient():
 
 
 @pytest.mark.parametrize("temperature, rows, cols", [(1.0, 7, 700), (0.7, 37, 64), (1.3, 10_000, 3000), (1.0, 5, 1)])
-def test_head_logprobs_at_a_teachers_top_k_ids_equal_the_logits_path_in_value_and_gradient(temperature, rows, cols):
+@pytest.mark.parametrize("passes", ["in place", "block functions"])
+def test_head_logprobs_at_a_teachers_top_k_ids_equal_the_logits_path_in_value_and_gradient(
+    temperature, rows, cols, passes, monkeypatch
+):
     """forward_kl_topk's student side: with extra_ids [B, T, K] the head gives [B, T, 1 + K] log-probs, the labels'
     then those ids', each read inside the blocks (ids in every block, whole rows, one entry per block), against
-    log_softmax of the full logits in fp64: values and both gradients to 1e-5, the labels' column unchanged."""
+    log_softmax of the full logits in fp64: values and both gradients to 1e-5, the labels' column unchanged. Both
+    ways through a block: the CPU's in-place passes, and the block functions GPUs and bf16 CPUs compile (here
+    uncompiled)."""
+    if passes == "block functions":
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype: [logprobs.block_stats, logprobs.block_grad])
     torch.manual_seed(0)
     hidden, weight = torch.randn(3, 20, 32, dtype=torch.float64), torch.randn(3000, 32, dtype=torch.float64) * 0.3
     labels, ids = torch.randint(0, 3000, (3, 20)), torch.randint(0, 3000, (3, 20, 8))
@@ -198,9 +206,12 @@ def test_head_logprobs_at_a_teachers_top_k_ids_equal_the_logits_path_in_value_an
 
 
 @pytest.mark.parametrize("rows, cols, k", [(7, 700, 32), (37, 20, 32), (10_000, 3000, 5), (4, 1, 3)])
-def test_head_top_k_log_probs_equal_the_full_softmaxs_top_k(rows, cols, k):
+@pytest.mark.parametrize("passes", ["in place", "block functions"])
+def test_head_top_k_log_probs_equal_the_full_softmaxs_top_k(rows, cols, k, passes, monkeypatch):
     """forward_kl_topk's teacher side: each block's top k merged into a running top k (blocks narrower than k
     included) gives the full log_softmax's k largest log-probs, in order, at the same ids, and the labels'."""
+    if passes == "block functions":
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype: [logprobs.block_stats, logprobs.block_grad])
     torch.manual_seed(1)
     hidden, weight = torch.randn(2, 25, 16), torch.randn(3000, 16)
     labels = torch.randint(0, 3000, (2, 25))
