@@ -141,7 +141,7 @@ def teacher_topk(policy, teacher, scored, *, k, vocab, micro, max_tokens, temper
     [tokens, V] tensor); a head that is not a plain linear layer goes through its logits. Only the first `vocab`
     rows compete (a teacher with more rows never proposes an id the student cannot produce). teacher None: the
     LoRA policy's base, as policy.reference_logprobs scores it."""
-    model, N, R = teacher or policy, *scored["response_mask"].shape
+    model, (N, R) = policy if teacher is None else teacher, scored["response_mask"].shape
     if k > vocab:
         raise SystemExit(f"--distill-topk {k}: more than the student's {vocab} vocabulary entries; use at most {vocab}")
     out = torch.zeros(N, R), torch.zeros(N, R, k), torch.zeros(N, R, k, dtype=torch.long)

@@ -92,14 +92,14 @@ def distill_loss(logp, old_logp, view, mask, *, args, agg, norm_len, is_weights=
     metrics = {}
     if mode == "forward_kl_topk":
         losses, student_mass, teacher_mass = topk_forward_kl(
-            view["student_topk_logp"], view["teacher_topk_logp"], args.distill_logp_clamp
+            view["student_topk_logp"], view["teacher_topk_logp"].to(logp.device), args.distill_logp_clamp
         )
         metrics = {
             "distill/student_mass": masked_mean(student_mass, mask),
             "distill/teacher_mass": masked_mean(teacher_mass, mask),
         }
     else:  # k1: the advantage's pi_old, no gradient; the others: the current log-prob, with its gradient
-        losses = kl_penalty(old_logp if mode == "k1" else logp, view["teacher_logp"], mode)  # [b, r]
+        losses = kl_penalty(old_logp if mode == "k1" else logp, view["teacher_logp"].to(logp.device), mode)  # [b, r]
     metrics |= {"distill/loss_max": losses[on].max(), "distill/loss_min": losses[on].min()} if on.any() else {}
     if args.distill_loss_clamp > 0:
         losses = losses.clamp(-args.distill_loss_clamp, args.distill_loss_clamp)
