@@ -1,14 +1,18 @@
-"""Our formulas against verl 0.9.1's own code (verl/trainer/ppo/core_algos.py) on random batches.
+"""Our formulas against verl 0.9.1's own code (verl/trainer/ppo/core_algos.py, and for --distill-loss
+verl/trainer/distillation's distillation_ppo_loss with its loss registry whole) on random batches.
 
 verl is not a dependency: `bash install.sh --dev` puts its modules (no dependencies) into .verl_ref/,
 and only this file imports them. Where verl is not there, these tests skip; the hand-computed cases in
 test_loss.py and test_advantage.py always run.
 
 Where we differ from verl on purpose, the test says so: a group whose rewards are all equal gets
-exactly 0 advantage here, and verl's a rounding error divided by std + eps.
+exactly 0 advantage here, and verl's a rounding error divided by std + eps; k1's advantage takes pi_old where
+verl's takes the current log-prob, and --distill-coef stays beta without a task reward, where verl uses 1.
 """
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
