@@ -80,9 +80,12 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
     logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
 
-    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy),
-    fp32 (the matmuls in the inputs' dtype, the softmax in fp32). The entropy's backward runs only if
-    the loss uses it.
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy,
+    extra [N, K], top log-probs [N, topk], top ids [N, topk]), fp32 (the matmuls in the inputs' dtype, the
+    softmax in fp32). The entropy's backward runs only if the loss uses it. forward_kl_topk's two sides, read
+    in the same blocks (_ids_in_block): extra_ids [N, K] gives their log-probs (extra, with their gradient:
+    each adds its onehot inside its block), topk > 0 the k most likely tokens' (a running top k over the
+    blocks, no gradient); None where not asked for.
     """
 
     @staticmethod
