@@ -160,7 +160,9 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
                 view = window(batch, mb)  # only the columns these rows use
                 # [b, r] each; the head and softmax run a block at a time, never the whole [b, r, V]
                 topk = view.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
-                logp, entropy = response_logprobs(policy, view, device, args.temperature, args.entropy_coef > 0, topk)
+                logp, entropy = response_logprobs(
+                    policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
+                )
                 loss, terms, old = micro_batch_loss(logp, entropy, view, agg=agg, args=args)
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
                     trainer_logp[mb, : old.shape[1]] = old.float().cpu()
