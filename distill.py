@@ -38,6 +38,7 @@ from policy import (
     run_head,
     window,
 )
+from prompt_data import PROMPT_ONLY_SOURCE, VERL_COLUMNS
 from reward import BUILTIN_SOURCES, compute_score
 from run_log import timed
 
@@ -296,6 +297,22 @@ def teacher_fingerprint(args, teacher):
     if teacher is None or args.teacher == SELF:
         return None
     return lora.base_fingerprint(teacher)
+
+
+def prompt_only_rows(args, rows):
+    """Pure distillation (--no-reward) on a prompt-only dataset without --reward-fn: there is no reward to compute,
+    so each row gets data_source PROMPT_ONLY_SOURCE and no ground truth, which labelled_reward scores 0 (critic/score is
+    then 0 throughout), said once at start-up; where it was a verl-signature function with nothing to read at step
+    1. Rows of verl's schema, and runs with a reward or a --reward-fn, are left as they are."""
+    if args.reward or args.reward_fn or not rows or all(c in rows[0] for c in VERL_COLUMNS):
+        return
+    for row in rows:
+        row.setdefault("data_source", PROMPT_ONLY_SOURCE)
+        row.setdefault("reward_model", {"ground_truth": None})
+    print0(
+        f"{args.train_data}: a prompt-only dataset with --no-reward and no --reward-fn: the teacher's term alone "
+        "trains, and critic/score is 0 (a --reward-fn FILE:FUNCTION would log a score beside it)"
+    )
 
 
 def labelled_reward(data_source, solution_str, ground_truth, extra_info=None):

@@ -94,6 +94,7 @@ def read_data(args, tokenizer, tools):
     train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
     distill.teacher_prompts(args, tokenizer, train_rows)
     train_rows = distill.fitting_teacher_prompts(args, train_rows)  # those that fit the teacher's positions
+    distill.prompt_only_rows(args, train_rows)  # pure distillation on prompts alone: nothing to score
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     return train_rows, val_rows, total_steps

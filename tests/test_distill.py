@@ -566,3 +566,17 @@ def test_a_teacher_with_nan_weights_is_named_not_blamed_on_the_learning_rate(tea
     assert proc.returncode != 0
     assert f"--teacher {broken}: " in proc.stderr and "non-finite teacher log-prob" in proc.stderr, proc.stderr[-3000:]
     assert "Lower --lr" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_pure_distillation_on_a_prompt_only_dataset_without_a_reward_function(teacher, tmp_path):
+    """The hostile case: --no-reward on a file of prompts alone, no --reward-fn. Decided at start-up (the teacher's
+    term alone trains, critic/score is 0, said once); it used to load everything, then blame labelled_reward, the
+    trainer's own function, at step 1."""
+    rows = [{"prompt": [{"role": "user", "content": f"list {i % 10} 2 3 4 5 6 first"}]} for i in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
+    flags = [*RUN, "--max-steps", "2", "--test-freq", "-1", "--train-data", str(tmp_path / "prompts.parquet")]
+    proc = train(tmp_path / "run", *flags, "--teacher", teacher, "--no-reward")
+    assert "a prompt-only dataset with --no-reward and no --reward-fn: the teacher's term alone trains" in proc.stdout
+    steps = [r for r in metrics(tmp_path / "run") if "actor/grad_norm" in r]
+    assert len(steps) == 2 and all(r["critic/score/mean"] == 0 and r["distill/adv_share"] == 1 for r in steps)
