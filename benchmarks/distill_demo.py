@@ -4,10 +4,10 @@
 
 The teacher is the demo itself trained for --teacher-steps (100) steps (held-out 0.95 on seed 0, README); each
 student is a fresh demo model (the teacher's own initial weights) trained for --steps steps with the teacher
-beside the reward (--distill-coef 1), one run per mode, one after the other on 1 rank. GRPO alone is the demo's
-command for the same steps. Prints the held-out greedy accuracy (val-core/synthetic/digits/reward/mean@1) every 10
-steps, the step each first reaches 0.9, and the training time (the sum of timing_s/step). A run already finished
-in --out-dir is read, not rerun.
+beside the reward (--distill-coef 1; forward_kl_topk with --topk 8 of the demo's 20 words), one run per mode, one
+after the other on 1 rank. GRPO alone is the demo's command for the same steps. Prints the held-out greedy accuracy
+(val-core/synthetic/digits/reward/mean@1) every 10 steps, the step each first reaches 0.9, and the training time
+(the sum of timing_s/step). A run already finished in --out-dir is read, not rerun.
 """
 
 import argparse
@@ -33,6 +33,7 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--teacher-steps", type=int, default=100)
     p.add_argument("--modes", default="k1,forward_kl_topk", help="comma-separated --distill-loss values")
+    p.add_argument("--topk", type=int, default=8, help="forward_kl_topk's --distill-topk (the demo has 20 words)")
     a = p.parse_args()
     out = os.path.abspath(a.out_dir)
     run(os.path.join(out, "teacher"), ["--max-steps", str(a.teacher_steps)], "the teacher (the demo)")
