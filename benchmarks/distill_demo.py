@@ -38,9 +38,10 @@ def main():
     out = os.path.abspath(a.out_dir)
     run(os.path.join(out, "teacher"), ["--max-steps", str(a.teacher_steps)], "the teacher (the demo)")
     teacher = os.path.join(out, "teacher", "final_model")
-    runs = {"GRPO alone": []} | {
-        f"--distill-loss {m}": ["--teacher", teacher, "--distill-loss", m] for m in a.modes.split(",")
-    }
+    runs = {"GRPO alone": []}
+    for m in a.modes.split(","):
+        topk = ["--distill-topk", str(a.topk)] if m == "forward_kl_topk" else []
+        runs[f"--distill-loss {m}"] = ["--teacher", teacher, "--distill-loss", m, *topk]
     rows = []
     for name, flags in runs.items():
         slug = name.replace("--distill-loss ", "").replace(" ", "_")
