@@ -201,6 +201,19 @@ def test_the_reverse_kl_band_warns_when_it_rises_or_does_not_fall():
     assert flat[0][0] == "distill_kl_flat" and "is not 10% below" in flat[0][1]
 
 
+def test_equal_rewards_are_no_warning_when_a_teacher_trains_in_any_mode():
+    """A step whose groups all scored alike has no reward advantage, but a teacher's term still trains: with the
+    default k1 (distill/adv_share logged) and with a term in the loss (no adv_share, the reverse KL logged)."""
+    from test_health import feed, step_row
+
+    for teacher in ({"distill/adv_share": 1.0}, {}):
+        row = step_row(1, frac_reward_zero_std=1.0, **{"distill/reverse_kl/mean": 0.5}, **teacher)
+        warnings = feed(health.Monitor(bands.parse_bands(""), total_steps=10), [row])
+        assert not any("every group's rewards are equal" in w for w in warnings), warnings
+    warnings = feed(health.Monitor(bands.parse_bands(""), total_steps=10), [step_row(1, frac_reward_zero_std=1.0)])
+    assert any("every group's rewards are equal" in w for w in warnings)  # without a teacher it is one
+
+
 def test_the_start_up_memory_check_counts_the_teacher(tmp_path, capsys):
     """memory.check_update_memory runs after the teacher loaded (its free memory is what the teacher left),
     and a warning says what the frozen models hold: a teacher once, the policy itself (--teacher self) not at
