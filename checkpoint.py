@@ -444,11 +444,14 @@ def load(path, model, optimizer, config):
 # The trainer's whole state: what train_grpo saves and resumes
 
 
-def resume_run(path, policy, optimizer, scheduler, *, args, base_fingerprint=None):
+def resume_run(path, policy, optimizer, scheduler, *, args, fingerprints=None):
     """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history, the rollouts it holds for later steps). LoRA adapters on another base model are refused."""
-    state = load(path, policy, optimizer, dataclasses.asdict(args))
-    lora.check_fingerprint(state.get("base_fingerprint"), base_fingerprint, f"{path} (--model {args.model})")
+    history, the rollouts it holds for later steps). What the checkpoint holds no copy of is checked by its
+    fingerprint (`fingerprints`: {"base_fingerprint", "teacher_fingerprint"}, None where there is none): LoRA
+    adapters on another base model are refused, and so is a teacher whose weights changed (check_teacher)."""
+    state, now = load(path, policy, optimizer, dataclasses.asdict(args)), fingerprints or {}
+    lora.check_fingerprint(state.get("base_fingerprint"), now.get("base_fingerprint"), f"{path} (--model {args.model})")
+    check_teacher(state.get("teacher_fingerprint"), now.get("teacher_fingerprint"), path, args)
     scheduler.load_state_dict(state["scheduler"])
     step, history = state["step"], state["metrics"]
     if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
@@ -460,13 +463,32 @@ def resume_run(path, policy, optimizer, scheduler, *, args, base_fingerprint=Non
     return step, history, state.get("rollouts_ahead", {})
 
 
+def check_teacher(saved, now, path, args):
+    """The teacher is never checkpointed: a --teacher directory whose files were replaced since the run started
+    would make the resumed run learn from another teacher than its first steps did. Refused, or with
+    --allow-changed teacher accepted and said. saved, now: distill.teacher_fingerprint's numbers (None: none)."""
+    if saved is None or now is None or abs(saved - now) <= 1e-9 * max(1.0, abs(saved)):
+        return
+    what = (
+        f"--teacher {args.teacher}: its weights are not those {path} was trained with (fingerprint {saved!r}, now "
+        f"{now!r})"
+    )
+    if "teacher" not in allowed_changes(args):
+        raise SystemExit(
+            f"{what}: the run would mix two teachers. Pass the teacher the run started with, or add "
+            "--allow-changed teacher to go on with this one"
+        )
+    print(f"resume: {what}; going on with this teacher (--allow-changed teacher)", flush=True)
+
+
 def save_run(
     checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, ahead
 ):
-    """Everything needed to continue this run exactly from after `step` (Checkpointer)."""
+    """Everything needed to continue this run exactly from after `step` (Checkpointer). fingerprint: the
+    fingerprints of what it holds no copy of ({"base_fingerprint", "teacher_fingerprint"}: resume_run)."""
     epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
     trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
-    trainer_state["base_fingerprint"] = fingerprint
+    trainer_state.update(fingerprint or {})
     if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
         trainer_state["rollouts_ahead"] = ahead.state(step)
     checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)

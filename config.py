@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from bands import parse_bands
-from flag_rules import placement_rules, reward_rules, timeout_rules
+from flag_rules import distill_rules, placement_rules, reward_rules, timeout_rules
 
 
 def rule(default, must_be, ok, loss_mode=None):
@@ -224,6 +224,19 @@ class Args:
     teacher_prompt_key: str = ""
     """OPSD: the teacher reads this column of each training row (or key of its extra_info), chat messages or a
     string, as its prompt (e.g. the question with its solution), then the student's response ids exactly."""
+    distill_loss: str = one_of("k1", ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "forward_kl_topk"))
+    """The teacher's term (verl's distillation loss_mode, loss.DISTILL_LOSSES): k1 (kl), the reverse KL's estimate as
+    an advantage; k2 (mse), k3 (low_var_kl), abs: that estimate's variants, back-propagated as a loss; forward_kl_topk:
+    the forward KL over the teacher's --distill-topk most likely tokens at every position, back-propagated."""
+    distill_topk: int = rule(32, ">= 1", lambda v: v >= 1)
+    """forward_kl_topk: how many of the teacher's most likely tokens each position compares (verl's topk)."""
+    distill_loss_clamp: float = rule(0.0, "> 0, or 0 for off", lambda v: v >= 0)
+    """Each token's distillation loss clamped to [-C, C] (verl's loss_max_clamp); 0: off."""
+    distill_logp_clamp: float = rule(0.0, "< 0, or 0 for off", lambda v: v <= 0)
+    """forward_kl_topk: both models' top-k log-probs clamped below at this (verl's log_prob_min_clamp, e.g. -10)."""
+    distill_clip: float = rule(0.0, "in (0, 1), or 0 for off", lambda v: 0 <= v < 1)
+    """k1: 0 adds the teacher's term to the reward's advantage (one surrogate, --clip-low/--clip-high); C > 0 gives
+    it a clipped surrogate of its own, ratio in [1 - C, 1 + C] (verl's use_policy_gradient, clip_ratio 0.2)."""
     # --- LoRA (lora.py): train low-rank adapters on the frozen model instead of every weight
     lora_rank: int = rule(0, ">= 0 (0: full fine-tuning)", lambda v: v >= 0)
     """LoRA rank r (0: off, full fine-tuning). LoRA usually wants about 10x full fine-tuning's --lr
@@ -340,13 +353,7 @@ def check_args(args, world=1, cuda=None):
         (not a.tools or os.path.isfile(a.tools.partition(":")[0]), f"--tools {a.tools}: no such file"),
         *[(a.tools or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --tools") for n in TOOL_SETTINGS],
         *[(a.teacher or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --teacher DIR") for n in DISTILL_SETTINGS],
-        (a.reward or a.teacher, "--no-reward (pure distillation) needs --teacher DIR"),
-        (a.reward or a.distill_coef > 0, "--no-reward with --distill-coef 0 leaves no advantage to train on"),
-        (a.teacher != "self" or a.teacher_prompt_key, "--teacher self needs --teacher-prompt-key: else its term is 0"),
-        (
-            not (a.teacher_prompt_key and a.tools),
-            "--teacher-prompt-key with --tools: the teacher's prompt would lack the tools' schemas; use one of them",
-        ),
+        *distill_rules(a),
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),
@@ -447,7 +454,8 @@ def flag(name):
 
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
 TOOL_SETTINGS = ("max_turns", "tool_timeout", "max_tool_response_length")
-DISTILL_SETTINGS = ("distill_coef", "teacher_prompt_key")
+DISTILL_SETTINGS = ("distill_coef", "teacher_prompt_key", "distill_loss", "distill_topk", "distill_loss_clamp")
+DISTILL_SETTINGS += ("distill_logp_clamp", "distill_clip")
 
 
 def loggers(args):

@@ -14,6 +14,7 @@ anything loads). The teacher is frozen and never checkpointed: a resumed run sco
 (docs/distill.md).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -21,9 +22,23 @@ import os
 import torch
 import torch.distributed as dist
 
-from distributed import all_sum
-from model_dir import check_model_path
-from policy import load_frozen, make_batch, reference_logprobs
+import lora
+from distributed import all_sum, print0
+from logprobs import head_topk_logprobs
+from loss import teacher_in_loss
+from model_dir import check_model_path, context_length
+from policy import (
+    fusable_head,
+    load_frozen,
+    make_batch,
+    micro_batches,
+    reference_logprobs,
+    reshard,
+    response_logits,
+    run_head,
+    window,
+)
+from prompt_data import PROMPT_ONLY_SOURCE, VERL_COLUMNS
 from reward import BUILTIN_SOURCES, compute_score
 from run_log import timed
 
@@ -60,16 +75,22 @@ def add_teacher_term(batch, teacher_logp, student_logp, *, coef, reward, device)
     term = teacher_advantages(teacher_logp, student_logp, mask, coef)  # [N, R]
     reward_part = batch["advantages"] if reward else torch.zeros_like(term)
     batch["advantages"] = reward_part + term
+    metrics = teacher_metrics(teacher_logp, student_logp, mask, device)
+    teacher_abs, reward_abs = (all_sum(x.abs()[mask.bool()].sum().item(), device) for x in (term, reward_part))
+    return metrics | {"distill/adv_share": teacher_abs / max(teacher_abs + reward_abs, 1e-12)}
+
+
+def teacher_metrics(teacher_logp, student_logp, mask, device):
+    """distill/reverse_kl/mean and max (log pi_old - log pi_T per model token, nats) and distill/teacher_logp/mean,
+    over every rank's tokens: what every --distill-loss logs, from the step's old log-probs."""
     on = mask.bool()
     kl = (student_logp.float() - teacher_logp.float())[on]  # [tokens] nats
     tokens = max(all_sum(on.sum().item(), device), 1)
     sums = [all_sum(x, device) for x in (kl.sum().item(), teacher_logp.float()[on].sum().item())]
-    teacher_abs, reward_abs = (all_sum(x.abs()[on].sum().item(), device) for x in (term, reward_part))
     return {
         "distill/reverse_kl/mean": sums[0] / tokens,
         "distill/reverse_kl/max": all_max(kl.max().item() if kl.numel() else -math.inf, device),
         "distill/teacher_logp/mean": sums[1] / tokens,
-        "distill/adv_share": teacher_abs / max(teacher_abs + reward_abs, 1e-12),
     }
 
 
@@ -86,15 +107,72 @@ def all_max(x, device):
 
 def teacher_term(batch, policy, teacher, old, *, samples, args, device, timing):
     """The teacher's pass (timed as teacher) after the old and reference ones (train_grpo.logprob_passes): it
-    scores the student's tokens with policy.reference_logprobs, and its term, with the old log-probs `old`, joins
-    batch["advantages"] (add_teacher_term). samples: each row's dataset row (OPSD's teacher prompt). Returns the
-    per-token advantages to log and the distill/* metrics."""
+    scores the student's tokens with policy.reference_logprobs (forward_kl_topk: teacher_topk, also its top-k), and
+    with the old log-probs `old` its term joins batch["advantages"] (add_teacher_term; the default k1), or the
+    batch carries its log-probs for the loss (loss.distill_loss: batch["teacher_logp"], ["teacher_topk_*"]).
+    samples: each row's dataset row (OPSD's teacher prompt). Returns the per-token advantages to log and the
+    distill/* metrics. A teacher whose log-probs are not finite stops the run, naming it (check_teacher_logp)."""
     how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
+    mask = batch["response_mask"]
     with timed(timing, "teacher"):
         scored = teacher_batch(batch, [r["teacher_prompt_ids"] for r in samples]) if args.teacher_prompt_key else batch
-        teacher_logp = reference_logprobs(policy, teacher, scored, device=device, **how)
-    metrics = add_teacher_term(batch, teacher_logp, old, coef=args.distill_coef, reward=args.reward, device=device)
-    return batch["advantages"][batch["response_mask"].bool()], metrics
+        if args.distill_loss == "forward_kl_topk":
+            vocab = policy.config.vocab_size  # the ids the student can produce
+            teacher_logp, *top = teacher_topk(
+                policy, teacher, scored, k=args.distill_topk, vocab=vocab, device=device, **how
+            )
+            batch["teacher_topk_logp"], batch["teacher_topk_ids"] = top
+        else:
+            teacher_logp = reference_logprobs(policy, teacher, scored, device=device, **how)
+    check_teacher_logp(teacher_logp, mask, args, device)
+    if not teacher_in_loss(args):
+        metrics = add_teacher_term(batch, teacher_logp, old, coef=args.distill_coef, reward=args.reward, device=device)
+        return batch["advantages"][mask.bool()], metrics
+    batch["teacher_logp"] = teacher_logp
+    if not args.reward:  # pure distillation: the teacher's loss alone
+        batch["advantages"] = torch.zeros_like(mask)
+    return batch["advantages"][mask.bool()], teacher_metrics(teacher_logp, old, mask, device)
+
+
+@torch.no_grad()
+def teacher_topk(policy, teacher, scored, *, k, vocab, micro, max_tokens, temperature, device):
+    """forward_kl_topk's teacher pass, micro-batch by micro-batch: at each response token the teacher's log-prob of
+    the sampled token and its k most likely tokens' log-probs and ids, ([N, R], [N, R, k], [N, R, k]), made inside
+    the fused head's blocks (logprobs.head_topk_logprobs: a block's top k merged into a running top k, never a
+    [tokens, V] tensor); a head that is not a plain linear layer goes through its logits. Only the first `vocab`
+    rows compete (a teacher with more rows never proposes an id the student cannot produce). teacher None: the
+    LoRA policy's base, as policy.reference_logprobs scores it."""
+    model, (N, R) = policy if teacher is None else teacher, scored["response_mask"].shape
+    if k > vocab:
+        raise SystemExit(f"--distill-topk {k}: more than the student's {vocab} vocabulary entries; use at most {vocab}")
+    out = torch.zeros(N, R), torch.zeros(N, R, k), torch.zeros(N, R, k, dtype=torch.long)
+    with lora.reference_mode(policy) if teacher is None else contextlib.nullcontext():
+        for rows in micro_batches(scored, list(range(N)), micro, max_tokens):
+            view = window(scored, rows)
+            labels = view["responses"].to(device)
+            if fusable_head(model) is not None:
+                head = lambda h, w: head_topk_logprobs(h, w[:vocab], labels, k, temperature)  # noqa: B023, E731
+                got = run_head(model, view, device, head)
+            else:
+                logp = torch.log_softmax(response_logits(model, view, device)[..., :vocab].float() / temperature, -1)
+                got = (logp.gather(-1, labels[..., None]).squeeze(-1), *logp.topk(k, -1))
+            for whole, part in zip(out, got):
+                whole[rows, : labels.shape[1]] = part.cpu()
+        reshard(model)
+    return out
+
+
+def check_teacher_logp(teacher_logp, mask, args, device):
+    """The teacher's log-probs on every rank's model tokens are finite, or a SystemExit naming the teacher: a
+    teacher with NaN or inf weights would otherwise turn every update non-finite, and the run would stop as if
+    the student's --lr had diverged."""
+    bad = int(all_sum(int((~torch.isfinite(teacher_logp[mask.bool()])).sum()), device))
+    if bad:
+        raise SystemExit(
+            f"--teacher {args.teacher}: {bad} of the student's tokens got a non-finite teacher log-prob (NaN or inf): "
+            "the teacher's weights or its outputs are not finite. Check the teacher directory (a model exported "
+            "from a diverged run?) or pick another --teacher"
+        )
 
 
 def teacher_batch(batch, teacher_prompts):
@@ -166,6 +244,37 @@ def teacher_prompts(args, tokenizer, rows):
         )
 
 
+def fitting_teacher_prompts(args, rows):
+    """The rows whose teacher prompt (teacher_prompts) and a longest response fit the teacher's positions
+    (teacher_prompt_limit); the others are dropped and counted, as prompts longer than --max-prompt-length are.
+    Fewer rows left than --prompt-batch-size: a SystemExit. Without --teacher-prompt-key: the rows as they are."""
+    key = args.teacher_prompt_key
+    if not key:
+        return rows
+    limit, why = teacher_prompt_limit(args)
+    kept = [r for r in rows if len(r["teacher_prompt_ids"]) <= limit]
+    if len(kept) < len(rows):
+        print0(f"train data: dropped {len(rows) - len(kept)} of {len(rows)} rows whose teacher prompt ({key!r}) is longer than {limit} tokens ({why})")  # fmt: skip
+    if len(kept) < args.prompt_batch_size:
+        raise SystemExit(
+            f"{args.train_data}: {len(kept)} rows with a teacher prompt ({key!r}) of at most {limit} tokens ({why}), "
+            f"fewer than --prompt-batch-size {args.prompt_batch_size}: shorten the teacher prompts"
+        )
+    return kept
+
+
+def teacher_prompt_limit(args):
+    """(The most tokens a teacher prompt may hold, why): the teacher's context length (model_dir.context_length of
+    --teacher, or --model's for self) less --max-response-length, since the teacher reads its prompt and then a
+    whole response; --max-prompt-length where the context length is unknown (a hub id)."""
+    path = args.model if args.teacher == SELF else args.teacher
+    context, source = context_length(path)
+    if context is None:
+        return args.max_prompt_length, "--max-prompt-length; the teacher's context length is unknown"
+    limit = context - args.max_response_length
+    return limit, f"the teacher's {context} positions ({source}) less --max-response-length {args.max_response_length}"
+
+
 def load_teacher(args, policy, reference, *, mesh, device, dtype):
     """The model that scores as the teacher (for policy.reference_logprobs): `self`, the current policy; the
     --model directory itself, the frozen initial policy, which is the reference copy when --kl-coef loaded
@@ -179,6 +288,31 @@ def load_teacher(args, policy, reference, *, mesh, device, dtype):
         if reference is not None:
             return reference
     return load_frozen(args.teacher, mesh, device, dtype, offload=args.offload in ("params", "both"))
+
+
+def teacher_fingerprint(args, teacher):
+    """One number that identifies a frozen teacher's weights (lora.base_fingerprint's sums), kept in every
+    checkpoint: the teacher is never saved, so checkpoint.check_teacher refuses to resume with other weights at
+    the same path. None for `self` (the policy, checkpointed) and for LoRA's base (None: its own fingerprint)."""
+    if teacher is None or args.teacher == SELF:
+        return None
+    return lora.base_fingerprint(teacher)
+
+
+def prompt_only_rows(args, rows):
+    """Pure distillation (--no-reward) on a prompt-only dataset without --reward-fn: there is no reward to compute,
+    so each row gets data_source PROMPT_ONLY_SOURCE and no ground truth, which labelled_reward scores 0 (critic/score is
+    then 0 throughout), said once at start-up; where it was a verl-signature function with nothing to read at step
+    1. Rows of verl's schema, and runs with a reward or a --reward-fn, are left as they are."""
+    if args.reward or args.reward_fn or not rows or all(c in rows[0] for c in VERL_COLUMNS):
+        return
+    for row in rows:
+        row.setdefault("data_source", PROMPT_ONLY_SOURCE)
+        row.setdefault("reward_model", {"ground_truth": None})
+    print0(
+        f"{args.train_data}: a prompt-only dataset with --no-reward and no --reward-fn: the teacher's term alone "
+        "trains, and critic/score is 0 (a --reward-fn FILE:FUNCTION would log a score beside it)"
+    )
 
 
 def labelled_reward(data_source, solution_str, ground_truth, extra_info=None):

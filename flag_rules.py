@@ -1,7 +1,7 @@
 """The constraints between flags that belong to one feature, for config.check_args: where rollouts are
 made (--rollout-ranks, --max-staleness, --stream-rollouts, --tensor-parallel-size), how long a
 worker's call may take (--reward-timeout, --tool-timeout), and which reward functions to load
-(--reward-fn, --reward-weights; eval.py takes the same two). They live here, below config.py, not in
+(--reward-fn, --reward-weights; eval.py takes the same two), and the teacher's (--teacher, --distill-*). They live here, below config.py, not in
 rollout_ranks.py and reward_worker.py: the flags import no feature module."""
 
 import math
@@ -108,3 +108,25 @@ def reward_weights(args):
     except ValueError:
         return None
     return weights if weights and all(math.isfinite(w) for w in weights) else None
+
+
+def distill_rules(a):
+    """config.check_args' rules for on-policy distillation: pure distillation, OPSD, and --distill-loss' settings,
+    each of one mode only (verl refuses k1 back-propagated: its gradient does not depend on the teacher)."""
+    topk, k1 = a.distill_loss == "forward_kl_topk", a.distill_loss in ("k1", "kl")
+    return [
+        (a.reward or a.teacher, "--no-reward (pure distillation) needs --teacher DIR"),
+        (a.reward or a.distill_coef > 0, "--no-reward with --distill-coef 0 leaves no advantage to train on"),
+        (a.teacher != "self" or a.teacher_prompt_key, "--teacher self needs --teacher-prompt-key: else its term is 0"),
+        (
+            not (a.teacher_prompt_key and a.tools),
+            "--teacher-prompt-key with --tools: the teacher's prompt would lack the tools' schemas; use one of them",
+        ),
+        (topk or a.distill_topk == 32, f"--distill-topk {a.distill_topk} needs --distill-loss forward_kl_topk"),
+        (topk or a.distill_logp_clamp == 0, "--distill-logp-clamp needs --distill-loss forward_kl_topk"),
+        (
+            k1 or a.distill_clip == 0,
+            f"--distill-clip is the k1 advantage's own clip; --distill-loss {a.distill_loss} is back-propagated as a "
+            "loss, with no ratio to clip: drop --distill-clip, or use --distill-loss k1",
+        ),
+    ]

@@ -114,7 +114,7 @@ class Monitor:
             )
         yield from distill_warnings(b, [r["distill/reverse_kl/mean"] for r in self.train if "distill/reverse_kl/mean" in r],
                                     late=is_late(b, step, self.total_steps))  # fmt: skip
-        if row["frac_reward_zero_std"] >= 1.0 and "distill/adv_share" not in row:  # the teacher's term still trains
+        if row["frac_reward_zero_std"] >= 1.0 and "distill/reverse_kl/mean" not in row:  # a teacher still trains
             yield (
                 "zero_adv",
                 f"every group's rewards are equal (mean score {row['critic/score/mean']:.3g}): all advantages are 0 and this step cannot learn",

@@ -7,6 +7,7 @@ entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses (p
 and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
 """
 
+import math
 import sys
 
 import torch
@@ -26,12 +27,15 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # at least fp32
-        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T]
-        lse = torch.empty_like(logp)
-        for b, t in _chunks(labels.shape, chunk):
+        logp = torch.empty(labels.shape, dtype=dtype, device=logits.device)  # [B, T] (or [B, T, L])
+        lse = torch.empty(labels.shape[:2], dtype=dtype, device=logits.device)
+        for b, t in _chunks(labels.shape[:2], chunk):
             z = logits[b, t].to(dtype) / temperature  # [rows, c, V], freed after each chunk
             lse[b, t] = torch.logsumexp(z, dim=-1)
-            logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
+            if labels.dim() == 2:
+                logp[b, t] = z.gather(-1, labels[b, t, None]).squeeze(-1) - lse[b, t]
+            else:  # several ids per position (forward_kl_topk's): [rows, c, L]
+                logp[b, t] = z.gather(-1, labels[b, t]) - lse[b, t, None]
         ctx.save_for_backward(logits, labels, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp
@@ -42,10 +46,14 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.zeros_like(logits)
         g_out = grad_logp.to(lse.dtype)
-        for b, t in _chunks(labels.shape, ctx.chunk):
+        if labels.dim() == 3:  # several ids per position: [B, T, L]
+            g_sum = g_out.sum(-1)
+        else:
+            g_out, labels, g_sum = g_out[..., None], labels[..., None], g_out
+        for b, t in _chunks(labels.shape[:2], ctx.chunk):
             probs = torch.exp(logits[b, t].to(lse.dtype) / ctx.temperature - lse[b, t, None])  # [rows, c, V]
-            g = probs.mul_(-g_out[b, t, None])
-            g.scatter_add_(-1, labels[b, t, None], g_out[b, t, None])
+            g = probs.mul_(-g_sum[b, t, None])
+            g.scatter_add_(-1, labels[b, t], g_out[b, t])
             grad[b, t] = g.div_(ctx.temperature)
         return grad, None, None, None
 
@@ -72,17 +80,22 @@ class _HeadLogProbEntropy(torch.autograd.Function):
     M = max_b m_b, w_b = exp(m_b - M): S = sum_b w_b s_b, T = sum_b w_b (t_b + (m_b - M) s_b), so
     logsumexp(z) = M + log S and H = log S - T / S (no cancellation: every term is shifted).
 
-    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy),
-    fp32 (the matmuls in the inputs' dtype, the softmax in fp32). The entropy's backward runs only if
-    the loss uses it.
+    hidden [N, H], weight [V, H], labels [N] -> (logp [N], entropy [N] or None without with_entropy,
+    extra [N, K], top log-probs [N, topk], top ids [N, topk]), fp32 (the matmuls in the inputs' dtype, the
+    softmax in fp32). The entropy's backward runs only if the loss uses it. forward_kl_topk's two sides, read
+    in the same blocks (_ids_in_block): extra_ids [N, K] gives their log-probs (extra, with their gradient:
+    each adds its onehot inside its block), topk > 0 the k most likely tokens' (a running top k over the
+    blocks, no gradient); None where not asked for.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy):
+    def forward(ctx, hidden, weight, labels, temperature, rows, cols, with_entropy, extra_ids=None, topk=0):
         ctx.set_materialize_grads(False)  # an unused output (the logged entropy) gets None, not zeros
         n, V = labels.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        extra = None if extra_ids is None else torch.empty(extra_ids.shape, device=hidden.device)  # [n, K] z at ids
+        best = (torch.full((n, topk), -math.inf, device=hidden.device), labels.new_zeros(n, topk)) if topk else None
         passes = block_passes(hidden.device, hidden.dtype)
         z, e = _block_buffers(hidden, rows, cols, V, 2) if passes is None else (None, None)
         vocab_blocks = list(_spans(V, cols))
@@ -90,9 +103,14 @@ class _HeadLogProbEntropy(torch.autograd.Function):
             m, s, t = (torch.empty(len(vocab_blocks), r.stop - r.start, device=hidden.device) for _ in range(3))
             for b, v in enumerate(vocab_blocks):
                 if passes is not None:  # compiled (GPUs, bf16 CPUs): the max and both sums in one kernel
-                    m[b], s[b], t[b] = passes[0](hidden[r] @ weight[v].T, temperature)
+                    zb = hidden[r] @ weight[v].T
+                    m[b], s[b], t[b] = passes[0](zb, temperature)
+                    if extra is not None or best is not None:
+                        _ids_in_block(zb.float() / temperature, v, r, extra_ids, extra, best)
                     continue
                 zb = _logits_block(hidden[r], weight[v], z, temperature)  # [r, k]
+                if extra is not None or best is not None:  # before the passes below overwrite the logits
+                    _ids_in_block(zb, v, r, extra_ids, extra, best)
                 torch.amax(zb, -1, out=m[b])
                 d = torch.sub(zb, m[b, :, None], out=_block(e, zb.shape))  # z - m_b
                 p = torch.exp(d, out=zb)  # the logits are not needed again
@@ -106,15 +124,20 @@ class _HeadLogProbEntropy(torch.autograd.Function):
             if with_entropy:
                 entropy[r] = total.log() - ((t + (m - top) * s) * w).sum(0) / total
         logp = _label_logits(hidden, weight, labels) / temperature - lse
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy, extra_ids)
         ctx.temperature, ctx.rows, ctx.cols = temperature, rows, cols
-        return logp, entropy
+        extra = None if extra is None else extra - lse[:, None]  # log-probs at the extra ids [n, K]
+        if best is None:
+            return logp, entropy, extra, None, None
+        ctx.mark_non_differentiable(best[1])
+        return logp, entropy, extra, best[0] - lse[:, None], best[1]
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(ctx, g_logp, g_entropy, g_extra, _g_top, _g_ids):
         # d loss / d z = g_logp (onehot - p) - g_entropy p (z - lse + H) = p (a z + c) + g_logp onehot,
-        # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last.
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        # per token a = -g_entropy and c = g_entropy (lse - H) - g_logp. The onehot term comes last. Extra ids
+        # add -sum_k g_extra,k to c and their onehots inside each block.
+        hidden, weight, labels, lse, entropy, extra_ids = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no weight gradient
         n, V = labels.shape[0], weight.shape[0]
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
@@ -123,6 +146,8 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         g_logp = zero if g_logp is None else g_logp.float()
         a = None if g_entropy is None else -g_entropy.float()
         c = -g_logp if g_entropy is None else g_entropy.float() * (lse - entropy) - g_logp
+        if g_extra is not None:
+            c = c - g_extra.float().sum(-1)
         passes = block_passes(hidden.device, hidden.dtype)
         z, e = _block_buffers(hidden, ctx.rows, ctx.cols, V, 2) if passes is None else (None, None)
         for r in _spans(n, ctx.rows):  # on GPUs one token block: each vocabulary slice's grad_w is written once
@@ -136,6 +161,9 @@ class _HeadLogProbEntropy(torch.autograd.Function):
                         g.mul_(c[r, None])
                     else:
                         g.mul_(zb.mul_(a[r, None]).add_(c[r, None]))
+                if g_extra is not None:  # the extra ids' onehots that fall in this block
+                    local, inside = _local_ids(extra_ids[r], v)
+                    g.scatter_add_(1, local, torch.where(inside, g_extra[r].float(), 0.0).to(g.dtype))
                 g = g if g.dtype == weight.dtype else g.to(weight.dtype)  # the matmuls in the inputs' dtype
                 if want_h:
                     _add_product(grad_h[r], g, weight[v])  # [r, k] @ [k, H]
@@ -146,7 +174,29 @@ class _HeadLogProbEntropy(torch.autograd.Function):
         if want_w:  # the onehot term, then d z / d W = h / temp
             grad_w.index_add_(0, labels, g_logp[:, None] * hidden.float()).div_(ctx.temperature)
         grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def _local_ids(ids, v):
+    """ids [r, K] -> (their columns in the vocabulary block v, clamped into it [r, K]; whether each is in it)."""
+    local = ids - v.start
+    inside = (local >= 0) & (local < v.stop - v.start)
+    return local.clamp(0, v.stop - v.start - 1), inside
+
+
+def _ids_in_block(zb, v, r, extra_ids, extra, best):
+    """One block's logits / temperature [r, k] (fp32), vocabulary entries v, tokens r: the logits at the extra ids
+    that fall in it go into extra[r] ([r, K]); with best = (values [n, topk], ids [n, topk]), the top-k so far
+    (this block's top-k merged with the earlier blocks') into best[...][r]. Never more than [r, k + topk]."""
+    if extra is not None:
+        local, inside = _local_ids(extra_ids[r], v)
+        extra[r] = torch.where(inside, zb.gather(1, local), extra[r])
+    if best is not None:
+        k = best[0].shape[1]
+        values, ids = zb.topk(min(k, zb.shape[1]), 1)
+        values, ids = torch.cat([best[0][r], values], 1), torch.cat([best[1][r], ids + v.start], 1)
+        keep = values.topk(k, 1).indices
+        best[0][r], best[1][r] = values.gather(1, keep), ids.gather(1, keep)
 
 
 def _spans(n, size):
@@ -282,19 +332,36 @@ def head_blocks(n, V, device, dtype=torch.float32):
     return rows, min(V, max(256, 2**26 // rows // 256 * 256))
 
 
-def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True):
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True, extra_ids=None):
     """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
     with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
     (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
     entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to head_blocks' choice
-    for the device."""
+    for the device. extra_ids [B, T, K] (a teacher's top-k ids): logp is [B, T, 1 + K], the labels' then
+    those ids' log-probs, each read inside the blocks, with their gradient."""
     B, T = labels.shape
     default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
     rows, cols = rows or default_rows, cols or default_cols
-    logp, ent = _HeadLogProbEntropy.apply(
-        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy
+    extra = None if extra_ids is None else extra_ids.reshape(B * T, -1)
+    logp, ent, at_ids, _, _ = _HeadLogProbEntropy.apply(
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy, extra
     )
-    return logp.view(B, T), None if ent is None else ent.view(B, T)
+    logp = logp.view(B, T) if extra is None else torch.cat([logp[:, None], at_ids], 1).view(B, T, -1)
+    return logp, None if ent is None else ent.view(B, T)
+
+
+@torch.no_grad()
+def head_topk_logprobs(hidden, weight, labels, k, temperature=1.0, rows=None, cols=None):
+    """The log-probs of `labels` and of the k most likely tokens, from the LM head a block at a time as
+    head_logprobs_entropy (each block's top k merged into a running top k: never a [B, T, V] tensor): hidden
+    [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T], top-k log-probs [B, T, k] descending, their ids
+    [B, T, k]), fp32 nats. A teacher's pass for forward_kl_topk (distill.py); no gradient."""
+    B, T = labels.shape
+    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
+    h, flat = hidden.reshape(B * T, -1), labels.reshape(-1)
+    how = (float(temperature), int(rows or default_rows), int(cols or default_cols), False, None, int(k))
+    logp, _, _, top_logp, top_ids = _HeadLogProbEntropy.apply(h, weight, flat, *how)
+    return logp.view(B, T), top_logp.view(B, T, k), top_ids.view(B, T, k)
 
 
 def _chunks(shape, chunk):
@@ -315,7 +382,7 @@ def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
     """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
 
     logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
-    -> [B, T] nats, fp32 (fp64 for fp64 logits).
+    -> [B, T] nats, fp32 (fp64 for fp64 logits); labels [B, T, L] -> [B, T, L].
     Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
     O(chunk * V), with or without autograd. Pass the sampling temperature so these log-probs
     match the ones the rollout engine sampled with.

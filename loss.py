@@ -54,6 +54,67 @@ def kl_penalty(logp, ref_logp, kind="k3"):
 
 
 # ----------------------------------------------------------------------------------------------
+# The teacher's term (--teacher --distill-loss MODE): verl 0.9.1's distillation losses, by verl's names
+
+DISTILL_LOSSES = dict(KL_KINDS, forward_kl_topk="forward_kl_topk")
+
+
+def topk_forward_kl(student_topk_logp, teacher_topk_logp, logp_min=0.0):
+    """The forward KL over the teacher's top-k tokens at each position, [b, r, K] x 2 -> [b, r] each:
+
+        loss_t = max(0, sum_k p_T,k (log p_T,k - log p_theta,k)),   p_T,k = exp(log p_T,k)
+        student_mass_t = sum_k p_theta,k      teacher_mass_t = sum_k p_T,k      (before the clamp)
+
+    k runs over the teacher's k most likely token ids at position t; log p_theta,k is the student's log-prob of
+    those same ids. logp_min < 0 clamps both log-probs below (verl's log_prob_min_clamp; 0: off). Outside the
+    top k neither distribution sums to 1, so the sum can be negative: it is clamped at 0, as verl does."""
+    s, t = student_topk_logp.float(), teacher_topk_logp.float()
+    student_mass, teacher_mass = s.exp().sum(-1), t.exp().sum(-1)
+    if logp_min < 0:
+        s, t = s.clamp_min(logp_min), t.clamp_min(logp_min)
+    return (t.exp() * (t - s)).sum(-1).clamp_min(0.0), student_mass, teacher_mass
+
+
+def distill_loss(logp, old_logp, view, mask, *, args, agg, norm_len, is_weights=None):
+    """The teacher's term of a micro-batch's loss, --distill-coef x (verl's distillation_loss):
+
+      k2, k3, abs:       agg(kl_penalty(log pi_theta, log pi_T, mode))      back-propagated through log pi_theta
+      forward_kl_topk:   agg(topk_forward_kl(log pi_theta[ids], log pi_T[ids]))   ids: the teacher's top k
+      k1, --distill-clip C:  policy_loss with A_t = -(log pi_old - log pi_T), its ratio clipped to [1 - C, 1 + C]
+
+    each token's loss clamped to [-c, c] first with --distill-loss-clamp c. logp [b, r] (and with forward_kl_topk
+    the student's log-probs at the teacher's ids, view["student_topk_logp"] [b, r, K]), from the same pass. Where
+    we differ from verl (tests/test_verl_reference.py): k1's advantage takes pi_old, fixed for the step as the
+    reward's is, where verl takes the current log-prob (equal on-policy); and beta stays --distill-coef with
+    --no-reward, where verl sets it to 1. Returns (loss, {distill/loss, distill/loss_max, distill/loss_min,
+    with forward_kl_topk distill/student_mass and distill/teacher_mass}: token means or extremes, detached)."""
+    mode, on = DISTILL_LOSSES[args.distill_loss], mask.bool()
+    metrics = {}
+    if mode == "forward_kl_topk":
+        losses, student_mass, teacher_mass = topk_forward_kl(
+            view["student_topk_logp"], view["teacher_topk_logp"].to(logp.device), args.distill_logp_clamp
+        )
+        metrics = {
+            "distill/student_mass": masked_mean(student_mass, mask),
+            "distill/teacher_mass": masked_mean(teacher_mass, mask),
+        }
+    else:  # k1: the advantage's pi_old, no gradient; the others: the current log-prob, with its gradient
+        losses = kl_penalty(old_logp if mode == "k1" else logp, view["teacher_logp"].to(logp.device), mode)  # [b, r]
+    metrics |= {"distill/loss_max": losses[on].max(), "distill/loss_min": losses[on].min()} if on.any() else {}
+    if args.distill_loss_clamp > 0:
+        losses = losses.clamp(-args.distill_loss_clamp, args.distill_loss_clamp)
+    if mode == "k1":
+        clip = args.distill_clip
+        loss, _ = policy_loss(
+            logp, old_logp, -losses.detach(), mask, clip, clip, args.clip_c, agg, is_weights, norm_len
+        )
+    else:
+        loss = agg_loss(losses, mask, agg, norm_len)
+    metrics["distill/loss"] = loss
+    return args.distill_coef * loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------------------------
 # The clipped surrogate and its variants
 
 LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
@@ -141,10 +202,10 @@ def policy_loss(
 
 def micro_batch_loss(logp, token_entropy, view, *, agg, args):
     """The loss of one micro-batch: the clipped surrogate or its --loss-mode variant, + kl_coef x the KL to the
-    reference, - entropy_coef x the entropy, each aggregated by `agg` (train_grpo's --flags in
-    `args`). logp and token_entropy [b, r]: the policy's, for the micro-batch's window of the batch
-    (`view`: policy.window), which carries the advantages and the old, reference and engine
-    log-probs. Returns (loss, {name: number} of every term for the log, the old log-probs [b, r]).
+    reference, + the teacher's term when it is a loss (distill_loss), - entropy_coef x the entropy, each aggregated
+    by `agg` (train_grpo's --flags in `args`). logp and token_entropy [b, r]: the policy's, for the micro-batch's
+    window of the batch (`view`: policy.window), which carries the advantages and the old, reference, engine and
+    teacher log-probs (logp [b, r, 1 + K] with forward_kl_topk: also at the teacher's top-k ids). Returns (loss, {name: number} of every term for the log, the old log-probs [b, r]).
 
     With --tis-cap C the surrogate is AReaL's decoupled PPO objective, per token t:
 
@@ -155,6 +216,8 @@ def micro_batch_loss(logp, token_entropy, view, *, agg, args):
     old), pi_prox the trainer's at the start of the step (old_logp). The clip keeps the update near the
     current policy however stale the samples; w corrects for sampling from pi_behav, capped."""
     device = logp.device
+    if logp.dim() == 3:  # forward_kl_topk: [b, r, 1 + K], the sampled token's then the teacher's top-k ids' (one pass)
+        logp, view = logp[..., 0], dict(view, student_topk_logp=logp[..., 1:])
     m = view["response_mask"].to(device)  # [b, r]
     old = logp.detach() if view.get("old_logp") is None else view["old_logp"].to(device)  # on-policy: ratio 1
     is_weights = None
@@ -182,12 +245,23 @@ def micro_batch_loss(logp, token_entropy, view, *, agg, args):
         kl_cov_ratio=args.kl_cov_ratio,
         ppo_kl_coef=args.ppo_kl_coef,
     )
-    loss, kl_loss = pg_loss, torch.zeros(())
+    loss, kl_loss, distilled = pg_loss, torch.zeros(()), {}
+    if teacher_in_loss(args):  # --teacher with a --distill-loss of its own (else its term is in the advantages)
+        distill, distilled = distill_loss(
+            logp, old, view, m, args=args, agg=agg, norm_len=norm_len, is_weights=is_weights
+        )
+        loss = loss + distill
     if view.get("ref_logp") is not None:
         kl_loss = agg_loss(kl_penalty(logp, view["ref_logp"].to(device), args.kl_kind), m, agg, norm_len)
         loss = loss + args.kl_coef * kl_loss
     entropy = agg_loss(token_entropy, m, agg, norm_len)
     if args.entropy_coef > 0:
         loss = loss - args.entropy_coef * entropy
-    terms = dict(pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, policy_loss=loss, **pg_metrics)
+    terms = dict(pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, policy_loss=loss, **pg_metrics, **distilled)
     return loss, {k: v.item() for k, v in terms.items()} | {"tokens": m.sum().item()}, old
+
+
+def teacher_in_loss(args):
+    """Whether the teacher's term is a loss of its own (distill_loss): every --distill-loss but k1, and k1 with
+    --distill-clip; plain k1 (the default) adds it to each token's advantage instead (distill.teacher_advantages)."""
+    return bool(args.teacher) and (DISTILL_LOSSES[args.distill_loss] != "k1" or args.distill_clip > 0)

@@ -44,8 +44,9 @@ def check_model_path(model_path):
             f"model path {path!r}: a file, not a directory; pass the directory holding config.json, the weights and the tokenizer"
         )
     where = f"model directory {path!r}"
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(not_a_model_directory(path))
+    config = read_json(os.path.join(path, "config.json"))
+    if not os.path.isfile(os.path.join(path, "config.json")) or ("model_type" not in config and is_a_run(path)):
+        raise FileNotFoundError(not_a_model_directory(path))  # a run directory's config.json holds its flags
     problem = custom_code_problem(path)
     if problem:
         raise ValueError(f"{where}: {problem}")
@@ -57,6 +58,36 @@ def check_model_path(model_path):
             f"{where}: no tokenizer (none of {list(TOKENIZER_FILES)}). Copy the tokenizer files of the model it "
             "came from into it, e.g. `AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)`."
         )
+
+
+def load_checked(model_class, path, **kwargs):
+    """model_class.from_pretrained(path, **kwargs) with trust_remote_code=False, refused by check_loaded when the
+    weights lack a parameter the model needs."""
+    model, info = model_class.from_pretrained(path, trust_remote_code=False, output_loading_info=True, **kwargs)
+    check_loaded(path, info)
+    return model
+
+
+def check_loaded(path, info):
+    """transformers' loading report (from_pretrained(..., output_loading_info=True)) -> a SystemExit naming the
+    parameters the directory's weights lacked: transformers initialises them at random and says so only in its
+    log, and a teacher, reward model or policy with a random head trains the student toward noise. The usual
+    cause: config.json says tie_word_embeddings false for weights saved with the head tied to the embeddings."""
+    missing = sorted(info.get("missing_keys") or [])
+    if not missing:
+        return
+    tied = read_json(os.path.join(str(path), "config.json")).get("tie_word_embeddings")
+    hint = (
+        "config.json says tie_word_embeddings false: if the model it came from ties its head to the embeddings, set "
+        "it true; else"
+        if tied is False and any(k.endswith("lm_head.weight") for k in missing)
+        else "The weights are incomplete:"
+    )
+    raise SystemExit(
+        f"model directory {str(path)!r}: its weights lack {len(missing)} parameter(s) the model needs "
+        f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}), which transformers would initialise at "
+        f"random. {hint} copy or export the model again, with all of its weights"
+    )
 
 
 def not_a_model_directory(path):
@@ -72,7 +103,7 @@ def not_a_model_directory(path):
             f"Export it first: `python export.py {path} OUT_DIR`, then pass OUT_DIR"
         )
     steps = sorted(int(m[1]) for d in os.listdir(path) if (m := re.fullmatch(r"global_step_(\d+)", d)))
-    if has("latest_checkpointed_iteration.txt") or has("metrics.jsonl") or steps:
+    if is_a_run(path):
         saved = [os.path.join(path, d) for d in ("final_model", "best_model") if has(os.path.join(d, "config.json"))]
         saved = " or ".join(saved) if saved else "final_model/, once the run has finished"
         newest = os.path.join(path, f"global_step_{steps[-1]}" if steps else "global_step_N")
@@ -86,6 +117,14 @@ def not_a_model_directory(path):
             "(train_grpo.py writes it as final_model/ beside final_adapter/)"
         )
     return f"model directory {path!r}: no config.json, so it is not a Hugging Face model directory"
+
+
+def is_a_run(path):
+    """Whether `path` is a training run's directory (train_grpo.py's --out-dir): its metrics, or checkpoints."""
+    names = os.listdir(path)
+    return any(
+        n in ("latest_checkpointed_iteration.txt", "metrics.jsonl") or n.startswith("global_step_") for n in names
+    )
 
 
 def custom_code_problem(path):

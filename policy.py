@@ -18,6 +18,7 @@ import lora
 import safe_write
 from distributed import full_tensor
 from logprobs import compiled_or_not, entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
+from model_dir import load_checked
 
 # ----------------------------------------------------------------------------------------------
 # Batches: prompts left-padded, responses right-padded, so response tokens line up in columns
@@ -103,7 +104,8 @@ def window(batch, rows):
     return view  # response tensors [b, r]
 
 
-PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp")  # [N, R] tensors a batch may carry
+PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp", "teacher_logp")  # [N, R] tensors a batch may carry
+PER_TOKEN += ("teacher_topk_logp", "teacher_topk_ids")  # [N, R, K]: forward_kl_topk's teacher (distill.py)
 
 
 def _forward_responses(model, view, device):
@@ -165,7 +167,7 @@ def fusable_head(model):
     return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
 
 
-def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True):
+def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True, extra_ids=None):
     """Per-token log-probs of a window's response tokens and the entropies there, ([b, r], [b, r]) fp32. With z
     the model's logits at the positions that predict the response tokens and T the temperature, they are
 
@@ -174,26 +176,34 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
     the sampling distribution's, as verl's actor computes them. A model whose head is more than one matmul takes
     that path as written (response_logits). Others get the same numbers without the [b, r, V] logits: the model
     calls head_logprobs_entropy in place of its LM head's forward, a block of tokens x vocabulary entries at a
-    time, and with shared prompts (view["group"] > 1) runs each prompt once under its n responses
+    time (run_head), and with shared prompts (view["group"] > 1) runs each prompt once under its n responses
     (_forward_responses). Equal in value and gradient: tests/test_policy.py's fused-head and shared-prompt tests.
     entropy=False skips the entropy (None), as the old and reference log-probs need; it carries a gradient only
-    with entropy_grad (the loss's entropy bonus), otherwise it is logged only."""
-    head, labels = fusable_head(model), view["responses"].to(device)
-    if head is None:
+    with entropy_grad (the loss's entropy bonus), otherwise it is logged only. extra_ids [b, r, K]
+    (forward_kl_topk's teacher ids): the log-probs are [b, r, 1 + K], the ids' after the sampled token's."""
+    labels, extra = view["responses"].to(device), None if extra_ids is None else extra_ids.to(device)
+    if fusable_head(model) is None:
         logits = response_logits(model, view, device)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = entropy_from_logits(logits, temperature=temperature) if entropy else None
-        return logprobs_from_logits(logits, labels, temperature), ent
-    hidden, out = [], {}
-    calls = 1 if view.get("group", 1) == 1 or labels.shape[1] == 1 else 2  # _forward_responses' head calls
+        ids = labels if extra is None else torch.cat([labels[..., None], extra], -1)
+        return logprobs_from_logits(logits, ids, temperature), ent
+    fused = lambda h, w: head_logprobs_entropy(h, w, labels, temperature, entropy=entropy, extra_ids=extra)  # noqa: E731
+    logp, ent = run_head(model, view, device, fused)
+    return logp, ent if entropy_grad or ent is None else ent.detach()
+
+
+def run_head(model, view, device, head_fn):
+    """Runs the model on a window (_forward_responses), its plain LM head (fusable_head) replaced by head_fn(hidden
+    [b, r, H], weight [V, H]): called once, where FSDP2 has gathered the weight, with every response position's
+    hidden states (shared prompts: the first forward's and the second's). Returns what head_fn returned."""
+    head, hidden, out = fusable_head(model), [], []
+    calls = 1 if view.get("group", 1) == 1 or view["responses"].shape[1] == 1 else 2  # _forward_responses' calls
 
     def fused(h):  # the hidden states the head sees; the last call has them all
         hidden.append(h)
         if len(hidden) == calls:
-            h_all = combine_head_outputs(hidden, view)  # [b, r, H]
-            out["logp"], out["entropy"] = head_logprobs_entropy(
-                h_all, head.weight, labels, temperature, entropy=entropy
-            )
+            out.append(head_fn(combine_head_outputs(hidden, view), head.weight))  # [b, r, H]
         return h[..., :1]  # what the model returns as its "logits"; unused
 
     head.forward = fused
@@ -201,8 +211,7 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
         _forward_responses(model, view, device)
     finally:
         del head.forward  # the class's forward again
-    ent = out["entropy"]
-    return out["logp"], ent if entropy_grad or ent is None else ent.detach()
+    return out[0]
 
 
 @torch.no_grad()
@@ -253,7 +262,7 @@ def load_model(path, dtype, device):
     (trust_remote_code=False): model_dir.check_model_path refuses a directory that needs it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = load_checked(AutoModelForCausalLM, path, dtype=dtype)  # refused if the weights lack a parameter
     return model.to(device)
 
 

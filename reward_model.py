@@ -15,6 +15,7 @@ import os
 import torch
 
 from chat_template import bound_chat_template
+from model_dir import load_checked
 from policy import shard
 
 
@@ -50,7 +51,7 @@ def load_reward_model(path, mesh, device, dtype=torch.float32):
 
     check_reward_model(path)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+        model = load_checked(AutoModelForSequenceClassification, path, dtype=torch.float32)  # a score head, too
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise SystemExit(f"--reward-model {path}: cannot load a sequence classification model from it ({e})") from None

@@ -102,12 +102,20 @@ def engine_gap_metrics(trainer_logp, engine_logp, mask, device, off_policy=False
 
 
 def loss_metrics(stats, device):
-    """actor/<name> for every number the loss reported, each micro-batch's token mean weighted by
-    its tokens over all micro-batches of all ranks; actor/grad_norm averaged over optimizer steps.
-    `stats`: one dict per micro-batch, with "tokens", and "grad_norm" on each optimizer step's last."""
+    """actor/<name> for every number the loss reported (a name with its own prefix, distill/..., keeps it), each
+    micro-batch's token mean weighted by its tokens over all micro-batches of all ranks, or for a name ending in
+    _max or _min this rank's extreme (reduce_metrics takes it over ranks); actor/grad_norm averaged over optimizer
+    steps. `stats`: one dict per micro-batch, with "tokens", and "grad_norm" on each optimizer step's last."""
     total = max(all_sum(sum(s["tokens"] for s in stats), device), 1)
     keys = sorted({k for s in stats for k in s} - {"tokens", "grad_norm"})  # the same on every rank
-    metrics = {f"actor/{k}": all_sum(sum(s.get(k, 0.0) * s["tokens"] for s in stats), device) / total for k in keys}
+    metrics = {}
+    for k in keys:
+        name = k if "/" in k else f"actor/{k}"
+        if k.endswith(("_max", "_min")):  # a micro-batch without tokens has none
+            pick = max if k.endswith("_max") else min
+            metrics[name] = pick((s[k] for s in stats if k in s), default=pick(-math.inf, math.inf))
+        else:
+            metrics[name] = all_sum(sum(s.get(k, 0.0) * s["tokens"] for s in stats), device) / total
     grad_norms = [s["grad_norm"] for s in stats if "grad_norm" in s]  # equal on all ranks
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     return metrics

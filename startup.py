@@ -89,9 +89,12 @@ def tokenizer_and_tools(args):
 
 def read_data(args, tokenizer, tools):
     """(train rows, validation rows, the run's steps: --epochs over the data, at most --max-steps); with
-    --teacher-prompt-key, each training row's teacher prompt rendered (distill.teacher_prompts)."""
+    --teacher-prompt-key, each training row's teacher prompt rendered (distill.teacher_prompts), and the rows whose
+    teacher prompt does not fit the teacher's positions dropped (distill.fitting_teacher_prompts)."""
     train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
     distill.teacher_prompts(args, tokenizer, train_rows)
+    train_rows = distill.fitting_teacher_prompts(args, train_rows)  # those that fit the teacher's positions
+    distill.prompt_only_rows(args, train_rows)  # pure distillation on prompts alone: nothing to score
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     return train_rows, val_rows, total_steps

@@ -94,7 +94,7 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
     """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the frozen teacher
     (--teacher, distill.load_teacher), the reward model, the engine put to sleep, the update's memory check,
     AdamW and the learning-rate schedule. Returns (policy, the frozen models {"reference", "teacher"}, reward
-    model, optimizer, scheduler, LoRA's args, the base's fingerprint)."""
+    model, optimizer, scheduler, LoRA's args, the fingerprints of LoRA's base and the teacher)."""
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
@@ -105,7 +105,9 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
         distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
     )
     rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
-    fingerprint = lora.base_fingerprint(policy) if lora_args else None  # LoRA checkpoints hold no base weights
+    # what checkpoints hold no copy of, checked on resume: LoRA's frozen base, the teacher
+    fingerprint = dict(base_fingerprint=lora.base_fingerprint(policy) if lora_args else None)
+    fingerprint["teacher_fingerprint"] = distill.teacher_fingerprint(args, teacher)
     if getattr(engine, "shares_policy", False):  # one rank, the transformers engine: no copy of its own
         engine.share(policy)
     elif engine:
@@ -157,8 +159,9 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
             for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
                 view = window(batch, mb)  # only the columns these rows use
                 # [b, r] each; the head and softmax run a block at a time, never the whole [b, r, V]
+                topk = view.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
                 logp, entropy = response_logprobs(
-                    policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0
+                    policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
                 )
                 loss, terms, old = micro_batch_loss(logp, entropy, view, agg=agg, args=args)
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
@@ -302,7 +305,7 @@ def main():
     start_step, history = 0, []
     if resume_from:
         start_step, history, saved_rollouts = checkpoint.resume_run(
-            resume_from, policy, optimizer, scheduler, args=args, base_fingerprint=fingerprint
+            resume_from, policy, optimizer, scheduler, args=args, fingerprints=fingerprint
         )
         source.load(saved_rollouts)
     source.start(start_step)

@@ -201,6 +201,15 @@ BAD = [
         ["--teacher", "t", "--teacher-prompt-key", "k", "--tools", "examples/tools/calculator.py"],
         "--teacher-prompt-key with --tools",
     ),
+    (["--teacher", "t", "--distill-loss", "reverse_kl"], "invalid choice: 'reverse_kl'"),
+    (["--teacher", "t", "--distill-topk", "0"], "--distill-topk must be >= 1"),
+    (["--teacher", "t", "--distill-topk", "8"], "--distill-topk 8 needs --distill-loss forward_kl_topk"),
+    (["--distill-loss", "k3"], "--distill-loss needs --teacher DIR"),
+    (["--teacher", "t", "--distill-loss-clamp", "-1"], "--distill-loss-clamp must be > 0, or 0 for off"),
+    (["--teacher", "t", "--distill-logp-clamp", "1"], "--distill-logp-clamp must be < 0, or 0 for off"),
+    (["--teacher", "t", "--distill-logp-clamp", "-10"], "--distill-logp-clamp needs --distill-loss forward_kl_topk"),
+    (["--teacher", "t", "--distill-clip", "1"], "--distill-clip must be in (0, 1), or 0 for off"),
+    (["--teacher", "t", "--distill-loss", "k3", "--distill-clip", "0.2"], "--distill-clip is the k1 advantage's own"),
 ]
 
 
@@ -529,4 +538,5 @@ def test_the_choices_of_a_flag_are_exactly_what_the_code_consumes():
     assert choices["loss_mode"] == loss.LOSS_MODES
     assert choices["loss_agg"] == loss_agg.AGG_MODES
     assert choices["kl_kind"] == tuple(loss.KL_KINDS)
+    assert set(choices["distill_loss"]) == set(loss.DISTILL_LOSSES)
     assert choices["adv_estimator"] == advantage.ADV_ESTIMATORS

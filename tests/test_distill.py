@@ -5,7 +5,9 @@ model: 1 and 2 ranks alike, a kill -9 and a SIGTERM resumed exactly, LoRA with i
 distillation on rows without a ground truth, a bf16 teacher held in bf16; on the real Qwen2.5 tokenizer, --tools
 (the teacher's term on the model's tokens only) and which teachers it accepts."""
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +75,72 @@ def test_a_teacher_equal_to_the_student_adds_exactly_zero(one_rank):
     assert metrics["distill/reverse_kl/mean"] == metrics["distill/reverse_kl/max"] == 0.0
 
 
+def test_a_teacher_with_non_finite_log_probs_is_named(one_rank):
+    """A teacher whose weights hold NaN gives NaN log-probs; the run stops naming --teacher, not the student's --lr."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    distill.check_teacher_logp(torch.tensor([[-1.0, -2.0, float("nan")]]), mask, Args(teacher="t"), "cpu")  # padding
+    with pytest.raises(SystemExit, match=r"--teacher runs/x/final_model: 1 of the student's tokens got a non-finite"):
+        distill.check_teacher_logp(
+            torch.tensor([[-1.0, float("nan"), -1.0]]), mask, Args(teacher="runs/x/final_model"), "cpu"
+        )
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_teachers_top_k_pass_equals_the_full_softmax(tmp_path, fused, monkeypatch):
+    """forward_kl_topk's teacher pass on a real (tiny) model, micro-batch by micro-batch with shared prompts: the
+    sampled tokens' log-probs and the top k's, at the same ids, as log_softmax of the model's whole logits; through
+    the fused head's blocks, and through the logits for a head that is not a plain linear layer."""
+    import policy
+
+    torch.manual_seed(0)
+    model = policy.load_model(build_tiny_model(str(tmp_path / "m"), TASK_WORDS, hidden=64), torch.float32, "cpu")
+    V = model.config.vocab_size
+    prompts, responses = [[1, 5, 6]] * 2 + [[1, 7]] * 2, [[8, 9, 4], [10], [11, 12], [5, 5, 5]]
+    batch = make_batch(prompts, responses, pad_id=0, group=2)
+    if not fused:
+        monkeypatch.setattr(distill, "fusable_head", lambda model: None)
+    how = dict(micro=2, max_tokens=0, temperature=0.9, device="cpu")
+    logp, top_logp, top_ids = distill.teacher_topk(model, model, batch, k=5, vocab=V, **how)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    P = batch["prompt_width"]
+    full = torch.log_softmax(logits[:, P - 1 : -1].double() / 0.9, -1)  # [N, R, V]
+    on = batch["response_mask"].bool()
+    want = full.topk(5, -1)
+    torch.testing.assert_close(
+        logp[on].double(), full.gather(-1, batch["responses"][..., None])[..., 0][on], atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(top_logp[on].double(), want.values[on], atol=1e-5, rtol=0)
+    assert torch.equal(top_ids[on], want.indices[on])
+    with pytest.raises(SystemExit, match="--distill-topk 99: more than the student's"):
+        distill.teacher_topk(model, model, batch, k=99, vocab=V, **how)
+
+
+def test_a_teacher_whose_weights_changed_is_refused_on_resume_unless_allowed(tmp_path, capsys):
+    """The teacher is never checkpointed, only its fingerprint: other weights at the same --teacher path would make
+    the resumed run learn from another teacher. Refused, or accepted with --allow-changed teacher and said."""
+    import checkpoint
+    import lora
+    import policy
+
+    model = build_tiny_model(str(tmp_path / "t"), TASK_WORDS, hidden=64)
+    teacher = policy.load_model(model, torch.float32, "cpu").requires_grad_(False)
+    args = Args(teacher=model)
+    saved = distill.teacher_fingerprint(args, teacher)
+    assert (
+        saved == lora.base_fingerprint(teacher) and distill.teacher_fingerprint(Args(teacher="self"), teacher) is None
+    )
+    checkpoint.check_teacher(saved, saved, "ckpt", args)  # the same teacher
+    checkpoint.check_teacher(None, saved, "ckpt", args)  # a checkpoint from before fingerprints
+    with torch.no_grad():
+        teacher.lm_head.weight[0, 0] += 0.5  # the directory's files replaced between runs
+    changed = distill.teacher_fingerprint(args, teacher)
+    with pytest.raises(SystemExit, match="its weights are not those ckpt was trained with .* would mix two teachers"):
+        checkpoint.check_teacher(saved, changed, "ckpt", args)
+    checkpoint.check_teacher(saved, changed, "ckpt", Args(teacher=model, allow_changed="teacher"))
+    assert "going on with this teacher (--allow-changed teacher)" in capsys.readouterr().out
+
+
 def test_opsds_teacher_reads_its_prompt_then_the_students_response_ids_exactly():
     prompts, responses = [[5, 6, 7]] * 2 + [[8]] * 2, [[1, 2], [3], [4, 4, 4], []]
     batch = make_batch(prompts, responses, pad_id=99, group=2, model_mask=[[1, 0], [1], [1, 1, 1], []])
@@ -99,6 +167,22 @@ def test_teacher_prompts_are_rendered_from_a_column_or_extra_info_and_a_missing_
         distill.teacher_prompts(args, tokenizer, [rows[0], {"prompt": []}])
 
 
+def test_teacher_prompts_longer_than_the_teachers_positions_are_dropped_and_counted(tmp_path, capsys):
+    """A teacher prompt is bounded by the teacher's context (512 positions for the tiny model) less the longest
+    response: longer ones are dropped with a count that says why; too few left to fill a step is refused."""
+    teacher = build_tiny_model(str(tmp_path / "m"), TASK_WORDS)  # max_position_embeddings 512
+    rows = [{"teacher_prompt_ids": [1] * n} for n in (10, 400, 500, 20)]
+    args = Args(teacher=teacher, teacher_prompt_key="hint", max_response_length=100, prompt_batch_size=2)
+    kept = distill.fitting_teacher_prompts(args, rows)
+    assert [len(r["teacher_prompt_ids"]) for r in kept] == [10, 400, 20]
+    out = capsys.readouterr().out
+    assert "dropped 1 of 4 rows whose teacher prompt ('hint') is longer than 412 tokens" in out
+    assert "the teacher's 512 positions (max_position_embeddings" in out and "--max-response-length 100" in out
+    with pytest.raises(SystemExit, match="2 rows with a teacher prompt .* fewer than --prompt-batch-size 3"):
+        distill.fitting_teacher_prompts(dataclasses.replace(args, max_response_length=200, prompt_batch_size=3), rows)
+    assert distill.fitting_teacher_prompts(Args(), rows) is rows  # no --teacher-prompt-key
+
+
 def test_a_vocabulary_difference_is_named(tmp_path):
     a = build_tiny_model(str(tmp_path / "a"), TASK_WORDS)
     b = build_tiny_model(str(tmp_path / "b"), [*TASK_WORDS[:-1], "middle"])
@@ -115,6 +199,19 @@ def test_the_reverse_kl_band_warns_when_it_rises_or_does_not_fall():
     assert list(health.distill_warnings(b, [1.0] * 20, late=False)) == []  # flat, but not late yet
     flat = list(health.distill_warnings(b, [1.0] * 20, late=True))
     assert flat[0][0] == "distill_kl_flat" and "is not 10% below" in flat[0][1]
+
+
+def test_equal_rewards_are_no_warning_when_a_teacher_trains_in_any_mode():
+    """A step whose groups all scored alike has no reward advantage, but a teacher's term still trains: with the
+    default k1 (distill/adv_share logged) and with a term in the loss (no adv_share, the reverse KL logged)."""
+    from test_health import feed, step_row
+
+    for teacher in ({"distill/adv_share": 1.0}, {}):
+        row = step_row(1, frac_reward_zero_std=1.0, **{"distill/reverse_kl/mean": 0.5}, **teacher)
+        warnings = feed(health.Monitor(bands.parse_bands(""), total_steps=10), [row])
+        assert not any("every group's rewards are equal" in w for w in warnings), warnings
+    warnings = feed(health.Monitor(bands.parse_bands(""), total_steps=10), [step_row(1, frac_reward_zero_std=1.0)])
+    assert any("every group's rewards are equal" in w for w in warnings)  # without a teacher it is one
 
 
 def test_the_start_up_memory_check_counts_the_teacher(tmp_path, capsys):
@@ -439,3 +536,60 @@ def test_sigterm_during_opd_saves_and_the_rerun_continues_exactly(whole, teacher
     for x, y in zip(a[1:], b[1:]):
         for key in [*COMPARED, "distill/reverse_kl/max", "distill/teacher_logp/mean", "response_length/mean"]:
             assert x[key] == y[key], (x["step"], key, x[key], y[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--distill-loss", "forward_kl_topk", "--distill-topk", "4", "--no-reward", "--distill-logp-clamp", "-10"],
+        ["--distill-loss", "low_var_kl", "--distill-loss-clamp", "5"],
+        ["--distill-loss", "k1", "--distill-clip", "0.2", "--micro-batch-size", "4"],
+    ],
+    ids=["forward_kl_topk pure", "k3 beside the reward", "k1 with its own clip"],
+)
+def test_each_distill_loss_trains_end_to_end_and_logs_verls_metrics(teacher, tmp_path, flags):
+    """Two steps of the tiny model with a teacher's term in the loss: finite updates, the term logged under verl's
+    names (distill/loss, loss_max, loss_min; forward_kl_topk's masses), the reverse KL as for k1; without a reward
+    the advantages are 0 and the teacher's term is what trains."""
+    train(tmp_path, *RUN, "--max-steps", "2", "--teacher", teacher, *flags)
+    rows = [r for r in metrics(tmp_path) if "actor/grad_norm" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["actor/grad_norm"] > 0 and all(map(math.isfinite, (r["actor/grad_norm"], r["distill/loss"])))
+        assert r["distill/loss_min"] <= r["distill/loss_max"] and r["distill/reverse_kl/mean"] != 0
+        if "forward_kl_topk" in flags:
+            assert 0 < r["distill/student_mass"] < 1 and 0 < r["distill/teacher_mass"] <= 1
+            assert r["distill/loss_min"] >= 0 and r["critic/advantages/max"] == r["critic/advantages/min"] == 0
+
+
+@pytest.mark.slow
+def test_a_teacher_with_nan_weights_is_named_not_blamed_on_the_learning_rate(teacher, tmp_path):
+    """The hostile case: a teacher whose weights are all NaN. The run stops at its first step naming --teacher;
+    before, every update was skipped and the run said "diverged ... Lower --lr"."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan_teacher"
+    subprocess.run(["cp", "-r", teacher, str(broken)], check=True)
+    (weights,) = broken.glob("*.safetensors")
+    save_file(
+        {k: torch.full_like(v, math.nan) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"}
+    )
+    proc = train(tmp_path / "run", *RUN, "--max-steps", "2", "--teacher", str(broken), check=False)
+    assert proc.returncode != 0
+    assert f"--teacher {broken}: " in proc.stderr and "non-finite teacher log-prob" in proc.stderr, proc.stderr[-3000:]
+    assert "Lower --lr" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_pure_distillation_on_a_prompt_only_dataset_without_a_reward_function(teacher, tmp_path):
+    """The hostile case: --no-reward on a file of prompts alone, no --reward-fn. Decided at start-up (the teacher's
+    term alone trains, critic/score is 0, said once); it used to load everything, then blame labelled_reward, the
+    trainer's own function, at step 1."""
+    rows = [{"prompt": [{"role": "user", "content": f"list {i % 10} 2 3 4 5 6 first"}]} for i in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts.parquet")
+    flags = [*RUN, "--max-steps", "2", "--test-freq", "-1", "--train-data", str(tmp_path / "prompts.parquet")]
+    proc = train(tmp_path / "run", *flags, "--teacher", teacher, "--no-reward")
+    assert "a prompt-only dataset with --no-reward and no --reward-fn: the teacher's term alone trains" in proc.stdout
+    steps = [r for r in metrics(tmp_path / "run") if "actor/grad_norm" in r]
+    assert len(steps) == 2 and all(r["critic/score/mean"] == 0 and r["distill/adv_share"] == 1 for r in steps)

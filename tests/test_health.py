@@ -508,3 +508,21 @@ def test_a_short_runs_first_step_without_an_advantage_is_a_watch(tmp_path):
     write_run(tmp_path / "stuck", rows, max_steps=4)
     path, counts = report.write_report(str(tmp_path / "stuck"))
     assert verdicts(open(path).read())["advantages"] == "problem"
+
+
+def test_a_run_with_no_finite_step_still_gets_its_report(tmp_path):
+    """A teacher with NaN weights made every step's advantages and grad norm NaN (each update skipped) in a
+    2-step run: the report reads it, says so, and is a problem; it once crashed on the max of no finite norm."""
+    from run_log import json_line
+
+    nan = math.nan
+    broken = {"actor/grad_norm": nan, "actor/pg_loss": nan, "critic/advantages/min": nan, "critic/advantages/max": nan}
+    rows = [{"step": 0, VAL: 0.1}] + [step_row(s, **broken, **{"actor/skipped_updates": 1}) for s in (1, 2)]
+    run = tmp_path / "run"
+    write_run(run, rows, max_steps=2)
+    (run / "metrics.jsonl").write_text("".join(json_line(r) for r in rows))
+    path, counts = report.write_report(str(run))
+    text = open(path).read()
+    assert verdicts(text)["grad norm (actor/grad_norm)"] == "problem"
+    assert "not finite at 2 of 2 steps" in text
+    assert counts["overall"] == "problem"

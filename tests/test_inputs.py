@@ -10,6 +10,7 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from test_data_prep import GOOD, guard, looping_model  # noqa: F401 (guard: a fixture); GOOD: one valid row
 
 from chat_template import ChatTemplateError
@@ -301,6 +302,37 @@ def test_a_training_checkpoint_run_directory_or_adapter_says_what_to_pass(tmp_pa
     (adapter / "adapter_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="holds a LoRA adapter"):
         check_model_path(str(adapter))
+
+
+def test_a_run_directory_with_its_flags_in_config_json_points_to_its_final_model(tmp_path):
+    """train_grpo.py's --out-dir holds config.json too (the run's flags, no model_type): passed as --teacher, --model
+    or --reward-model it is a run directory, not a model whose config.json lacks a model_type."""
+    run = tmp_path / "run"
+    os.makedirs(run / "final_model")
+    (run / "final_model" / "config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"model": "tiny", "lr": 5e-4}))
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="is a training run directory, not a model") as err:
+        check_model_path(str(run))
+    assert f"Pass the model it saved ({run / 'final_model'})" in str(err.value)
+    assert "model_type" not in str(err.value)
+
+
+def test_weights_that_lack_a_parameter_the_model_needs_are_refused_by_name(tmp_path):
+    """A causal LM whose config.json says tie_word_embeddings false and whose weights hold no lm_head.weight:
+    transformers would initialise a random head (a teacher trained toward noise). Refused, naming it."""
+    from models import build_tiny_model
+    from policy import load_model
+    from tasks.digits import TASK_WORDS
+
+    path = build_tiny_model(str(tmp_path / "m"), TASK_WORDS, hidden=64)
+    load_model(path, torch.float32, "cpu")  # tied: nothing missing
+    edit_json(os.path.join(path, "config.json"), tie_word_embeddings=False)
+    with pytest.raises(
+        SystemExit, match=r"its weights lack 1 parameter\(s\) the model needs \(lm_head.weight\)"
+    ) as err:
+        load_model(path, torch.float32, "cpu")
+    assert "tie_word_embeddings false" in str(err.value)
 
 
 def test_context_length_follows_vllms_rule(model_copy):

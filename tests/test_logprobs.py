@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from logprobs import entropy_from_logits, head_logprobs_entropy, logprobs_from_logits
+import logprobs
+from logprobs import entropy_from_logits, head_logprobs_entropy, head_topk_logprobs, logprobs_from_logits
 
 
 def naive_logprobs(logits, labels, temperature=1.0):
@@ -170,6 +171,70 @@ def test_head_logprobs_keep_no_logits_and_skip_a_frozen_heads_gradient():
     logp, ent = head_logprobs_entropy(hidden, weight, labels, rows=8)
     logp.sum().backward()  # the entropy unused: only logged
     assert hidden.grad is not None and weight.grad is None
+
+
+@pytest.mark.parametrize("temperature, rows, cols", [(1.0, 7, 700), (0.7, 37, 64), (1.3, 10_000, 3000), (1.0, 5, 1)])
+@pytest.mark.parametrize("passes", ["in place", "block functions"])
+def test_head_logprobs_at_a_teachers_top_k_ids_equal_the_logits_path_in_value_and_gradient(
+    temperature, rows, cols, passes, monkeypatch
+):
+    """forward_kl_topk's student side: with extra_ids [B, T, K] the head gives [B, T, 1 + K] log-probs, the labels'
+    then those ids', each read inside the blocks (ids in every block, whole rows, one entry per block), against
+    log_softmax of the full logits in fp64: values and both gradients to 1e-5, the labels' column unchanged. Both
+    ways through a block: the CPU's in-place passes, and the block functions GPUs and bf16 CPUs compile (here
+    uncompiled)."""
+    if passes == "block functions":
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype: [logprobs.block_stats, logprobs.block_grad])
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 20, 32, dtype=torch.float64), torch.randn(3000, 32, dtype=torch.float64) * 0.3
+    labels, ids = torch.randint(0, 3000, (3, 20)), torch.randint(0, 3000, (3, 20, 8))
+    ids[0, 0] = torch.arange(2992, 3000)  # the last block's last entries
+    g = torch.randn(3, 20, 9, dtype=torch.float64)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    logp, ent = head_logprobs_entropy(h, w, labels, temperature, rows, cols, extra_ids=ids)
+    assert logp.shape == (3, 20, 9)
+    ((logp * g.float()).sum() + ent.sum()).backward()
+    hidden.requires_grad_(), weight.requires_grad_()
+    z = hidden @ weight.T / temperature
+    ref = torch.log_softmax(z, -1).gather(-1, torch.cat([labels[..., None], ids], -1))
+    ((ref * g).sum() + (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).sum()).backward()
+    torch.testing.assert_close(logp.double(), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h.grad.double(), hidden.grad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w.grad.double(), weight.grad, atol=1e-5, rtol=0)
+    plain, _ = head_logprobs_entropy(h.detach(), w.detach(), labels, temperature, rows, cols)
+    assert torch.equal(plain, logp[..., 0].detach())
+
+
+@pytest.mark.parametrize("rows, cols, k", [(7, 700, 32), (37, 20, 32), (10_000, 3000, 5), (4, 1, 3)])
+@pytest.mark.parametrize("passes", ["in place", "block functions"])
+def test_head_top_k_log_probs_equal_the_full_softmaxs_top_k(rows, cols, k, passes, monkeypatch):
+    """forward_kl_topk's teacher side: each block's top k merged into a running top k (blocks narrower than k
+    included) gives the full log_softmax's k largest log-probs, in order, at the same ids, and the labels'."""
+    if passes == "block functions":
+        monkeypatch.setattr(logprobs, "block_passes", lambda device, dtype: [logprobs.block_stats, logprobs.block_grad])
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(2, 25, 16), torch.randn(3000, 16)
+    labels = torch.randint(0, 3000, (2, 25))
+    logp, top_logp, top_ids = head_topk_logprobs(hidden, weight, labels, k, 0.8, rows, cols)
+    full = torch.log_softmax(hidden.double() @ weight.double().T / 0.8, -1)
+    want = full.topk(k, -1)
+    torch.testing.assert_close(logp.double(), full.gather(-1, labels[..., None])[..., 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(top_logp.double(), want.values, atol=1e-5, rtol=0)
+    assert torch.equal(top_ids, want.indices)
+
+
+def test_logprobs_from_logits_at_several_ids_per_position():
+    """The logits path (a head that is not a plain linear layer) at [B, T, L] ids: values and gradient."""
+    torch.manual_seed(2)
+    logits, ids = torch.randn(3, 9, 50, requires_grad=True), torch.randint(0, 50, (3, 9, 4))
+    g = torch.randn(3, 9, 4)
+    for chunk in (4, 1024):
+        logp = logprobs_from_logits(logits, ids, 0.9, chunk=chunk)
+        (grad,) = torch.autograd.grad((logp * g).sum(), logits)
+        ref = torch.log_softmax(logits / 0.9, -1).gather(-1, ids)
+        (ref_grad,) = torch.autograd.grad((ref * g).sum(), logits)
+        torch.testing.assert_close(logp, ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
 
 
 def test_entropy():

@@ -1,14 +1,18 @@
-"""Our formulas against verl 0.9.1's own code (verl/trainer/ppo/core_algos.py) on random batches.
+"""Our formulas against verl 0.9.1's own code (verl/trainer/ppo/core_algos.py, and for --distill-loss
+verl/trainer/distillation's distillation_ppo_loss with its loss registry whole) on random batches.
 
 verl is not a dependency: `bash install.sh --dev` puts its modules (no dependencies) into .verl_ref/,
 and only this file imports them. Where verl is not there, these tests skip; the hand-computed cases in
 test_loss.py and test_advantage.py always run.
 
 Where we differ from verl on purpose, the test says so: a group whose rewards are all equal gets
-exactly 0 advantage here, and verl's a rounding error divided by std + eps.
+exactly 0 advantage here, and verl's a rounding error divided by std + eps; k1's advantage takes pi_old where
+verl's takes the current log-prob, and --distill-coef stays beta without a task reward, where verl uses 1.
 """
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -18,9 +22,11 @@ import pytest
 import torch
 
 import advantage
+import distill
 import loss
 import loss_agg
 import loss_variants
+from config import Args
 
 VERL_REF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".verl_ref")
 
@@ -332,3 +338,211 @@ def test_all_equal_groups_are_exactly_zero_where_verl_leaves_rounding_noise(core
     assert theirs[:8].abs().max() > 0.1  # verl: |A| of a group with nothing to learn from
     assert mine[:8].abs().max() == 0
     torch.testing.assert_close(mine[8:], theirs[8:], rtol=1e-6, atol=5e-7)
+
+
+# ---- on-policy distillation: --distill-loss against verl's distillation_ppo_loss (verl/trainer/distillation)
+
+
+class _Absent(types.ModuleType):
+    """A stand-in for a package verl's dataset modules import at the top and the losses never call (datasets,
+    pandas): any class name it is asked for is an empty class."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+@pytest.fixture(scope="module")
+def verl_distillation(core_algos):
+    """verl's distillation losses (its registry whole), with no_padding_2_padding as the identity: we hand it
+    padded [B, T] tensors where verl's engine hands it packed ones."""
+    stubs = [n for n in ("datasets", "pandas") if importlib.util.find_spec(n) is None]
+    for n in stubs:
+        sys.modules[n] = _Absent(n)
+        sys.modules[n].__spec__ = importlib.machinery.ModuleSpec(n, None)
+    try:
+        losses = importlib.import_module("verl.trainer.distillation.losses")
+        fsdp = importlib.import_module("verl.trainer.distillation.fsdp.losses")
+        config = importlib.import_module("verl.workers.config")
+        utils_losses = importlib.import_module("verl.workers.utils.losses")
+        for module in (losses, utils_losses):
+            module.no_padding_2_padding = lambda tensor, data: tensor
+        yield types.SimpleNamespace(losses=losses, fsdp=fsdp, config=config)
+    finally:
+        for n in stubs:
+            del sys.modules[n]
+
+
+class VerlData(dict):
+    """What verl's losses read from a micro-batch's TensorDict: items, .get, .select(...).to_padded_tensor()."""
+
+    def select(self, *keys):
+        return VerlData({k: self[k] for k in keys})
+
+    def to_padded_tensor(self):
+        return self
+
+
+def verl_distill_loss(
+    v, mode, student_logits, labels, old, adv, mask, teacher, agg, *, reward, coef, clamp, logp_clamp, clip
+):
+    """verl's distillation_ppo_loss on one micro-batch: the student's logits [B, T, V] (top-k: their log-softmax
+    at the teacher's ids inside verl's own fsdp function), the sampled tokens, the old log-probs, the reward's
+    advantages, and the teacher: log-probs [B, T] or (top-k log-probs, ids) [B, T, K]. Returns (loss, metrics)."""
+    B, T, V = student_logits.shape
+    log_probs = torch.log_softmax(student_logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    topk = mode == "forward_kl_topk"
+    loss_config = v.config.DistillationLossConfig(
+        loss_mode=mode,
+        topk=teacher[0].shape[-1] if topk else None,
+        use_task_rewards=reward,
+        distillation_loss_coef=coef,
+        loss_max_clamp=clamp,
+        log_prob_min_clamp=logp_clamp,
+        use_policy_gradient=not topk and loss.DISTILL_LOSSES[mode] == "k1",
+        clip_ratio=clip,
+        clip_ratio_low=clip,
+        clip_ratio_high=clip,
+    )
+    distillation = types.SimpleNamespace(distillation_loss=loss_config)
+    config = ActorConfig(
+        verl_config(agg, 0.2, 0.28, loss_scale_factor=9.0 if "norm" in agg else None),
+        loss_scale_factor=9.0 if "norm" in agg else None,
+        policy_loss=dict(loss_mode="vanilla"),
+        entropy_coeff=0.0,
+        use_kl_loss=False,
+    )
+    data = VerlData(response_mask=mask, old_log_probs=old, advantages=adv, dp_size=1)
+    data.update(batch_num_tokens=None, global_batch_size=None)
+    output = dict(log_probs=log_probs)
+    if topk:
+        nested = [torch.nested.as_nested_tensor([t.reshape(B * T, -1)], layout=torch.jagged) for t in teacher]
+        their = v.fsdp.compute_forward_kl_topk(student_logits.reshape(1, B * T, V), *nested, distillation, "thd")
+        output.update({k: x.reshape(B, T) for k, x in their.items()})
+    else:
+        data["teacher_logprobs"] = teacher[..., None]
+    return v.losses.distillation_ppo_loss(config, distillation, output, data)
+
+
+def my_distill_loss(
+    mode, student_logits, labels, old, adv, mask, teacher, agg, *, reward, coef, clamp, logp_clamp, clip
+):
+    """loss.micro_batch_loss on the same micro-batch, the way the trainer calls it: logp [B, T], or [B, T, 1 + K]
+    with the student's log-probs at the teacher's top-k ids (the fused head's one pass)."""
+    args = Args(teacher="t", distill_loss=mode, distill_coef=coef, clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    args.distill_loss_clamp, args.distill_logp_clamp, args.distill_clip = clamp or 0.0, logp_clamp or 0.0, clip
+    args.loss_agg, args.loss_scale_factor, args.reward = agg, 9.0, reward
+    log_softmax = torch.log_softmax(student_logits.float(), -1)
+    view = dict(response_mask=mask, old_logp=old, advantages=adv if reward else torch.zeros_like(adv))
+    if mode == "forward_kl_topk":
+        view.update(teacher_topk_logp=teacher[0])
+        logp = log_softmax.gather(-1, torch.cat([labels[..., None], teacher[1]], -1))  # [B, T, 1 + K]
+    else:
+        view.update(teacher_logp=teacher)
+        logp = log_softmax.gather(-1, labels[..., None]).squeeze(-1)
+    total, terms, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, agg=agg, args=args)
+    return total, terms
+
+
+def distill_batch(seed, mode, B=6, T=5, V=40, K=8, on_policy=False):
+    """Student logits, sampled tokens, old log-probs (the sampled tokens' under logits moved a little, or the
+    same), a reward's advantages, a mask with an empty row, and the teacher's log-probs of the sampled tokens
+    or its top-K (log-probs, ids)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    labels = torch.randint(0, V, (B, T), generator=g)
+    moved = logits if on_policy else logits + 0.3 * torch.randn(B, T, V, generator=g)
+    old = torch.log_softmax(moved, -1).gather(-1, labels[..., None]).squeeze(-1)
+    adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
+    mask = (torch.rand(B, T, generator=g) > 0.25).float()
+    mask[2], mask[:, 0] = 0, torch.where(torch.arange(B) == 2, 0.0, 1.0)
+    teacher_all = torch.log_softmax(torch.randn(B, T, V, generator=g) * 2, -1)
+    if mode == "forward_kl_topk":
+        return logits, labels, old, adv, mask, tuple(teacher_all.topk(K, -1))
+    return logits, labels, old, adv, mask, teacher_all.gather(-1, labels[..., None]).squeeze(-1)
+
+
+DISTILL_MODES = ["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "forward_kl_topk"]
+
+
+@pytest.mark.parametrize("mode", DISTILL_MODES)
+@pytest.mark.parametrize("agg", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("reward", [True, False])
+def test_every_distill_loss_equals_verls_loss_and_gradient(verl_distillation, mode, agg, reward):
+    """verl's distillation_ppo_loss and ours: the same loss, the same gradient with respect to the student's
+    logits (through the sampled token's log-prob and, for top-k, the teacher's ids'), the same loss_max/min and
+    masses. With a reward, beta 0.5 and verl's coefficient 0.5; without one verl sets beta to 1, so we use 1
+    (test_without_a_reward_beta_scales_what_verl_fixes_at_1 shows the difference). k1 is verl's policy-gradient
+    mode, its surrogate clipped at 0.1 of its own; on-policy here, where verl's current log-prob is pi_old."""
+    coef = 0.5 if reward else 1.0
+    for seed, clamp, logp_clamp in ((0, None, None), (1, 0.7, -2.0), (2, None, -2.0), (3, 2.0, None)):
+        *batch, teacher = distill_batch(seed, mode, on_policy=loss.DISTILL_LOSSES[mode] == "k1")
+        how = dict(reward=reward, coef=coef, clamp=clamp, logp_clamp=logp_clamp if mode == "forward_kl_topk" else None)
+        how["clip"] = 0.1 if loss.DISTILL_LOSSES[mode] == "k1" else 0.0
+        theirs_in, mine_in = batch[0].clone().requires_grad_(), batch[0].clone().requires_grad_()
+        their_loss, their_metrics = verl_distill_loss(
+            verl_distillation, mode, theirs_in, *batch[1:], teacher, agg, **how
+        )
+        my_loss, terms = my_distill_loss(mode, mine_in, *batch[1:], teacher, agg, **how)
+        their_loss.backward(), my_loss.backward()
+        torch.testing.assert_close(my_loss, their_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-5)
+        assert mine_in.grad.abs().max() > 0
+        verl_value = {k: v.values[0] if hasattr(v, "values") else v for k, v in their_metrics.items()}
+        for name in ("loss", "loss_max", "loss_min") + (("student_mass", "teacher_mass") if "topk" in mode else ()):
+            assert terms[f"distill/{name}"] == pytest.approx(float(verl_value[f"distillation/{name}"]), abs=1e-5), name
+
+
+@pytest.mark.parametrize("agg", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("reward", [True, False])
+def test_the_default_k1_advantage_equals_verls_policy_gradient_mode_on_policy(verl_distillation, agg, reward):
+    """The default (--distill-loss k1, no --distill-clip): the teacher's term joins the reward's advantage, one
+    surrogate (distill.teacher_advantages). verl runs two surrogates, the reward's and the teacher's; on-policy
+    (ratio 1) each is linear in its advantage, so one surrogate of the sum is the same loss and gradient."""
+    coef = 0.5 if reward else 1.0
+    for seed in range(3):
+        logits, labels, old, adv, mask, teacher = distill_batch(seed, "k1", on_policy=True)
+        how = dict(reward=reward, coef=coef, clamp=None, logp_clamp=None, clip=0.2)
+        theirs_in, mine_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        their_loss, _ = verl_distill_loss(
+            verl_distillation, "k1", theirs_in, labels, old, adv, mask, teacher, agg, **how
+        )
+        args = Args(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_scale_factor=9.0)
+        summed = (adv if reward else 0) + distill.teacher_advantages(teacher, old, mask, coef)
+        logp = torch.log_softmax(mine_in, -1).gather(-1, labels[..., None]).squeeze(-1)
+        view = dict(response_mask=mask, old_logp=old, advantages=summed)
+        my_loss, _, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, agg=agg, args=args)
+        their_loss.backward(), my_loss.backward()
+        torch.testing.assert_close(my_loss, their_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_k1_with_its_own_clip_takes_pi_old_where_verl_takes_the_current_log_prob(verl_distillation):
+    """Off-policy (the policy moved since the old log-probs: a second mini-batch or PPO epoch) our k1 advantage
+    is -(log pi_old - log pi_T), fixed for the step like the reward's, where verl's is -(log pi_theta - log pi_T)
+    at the current weights: the losses differ, and ours is verl's own vanilla surrogate on pi_old's advantage."""
+    logits, labels, old, adv, mask, teacher = distill_batch(0, "k1", on_policy=False)
+    how = dict(reward=False, coef=1.0, clamp=None, logp_clamp=None, clip=0.1)
+    their_loss, _ = verl_distill_loss(
+        verl_distillation, "k1", logits, labels, old, adv, mask, teacher, "token-mean", **how
+    )
+    my_loss, _ = my_distill_loss("k1", logits, labels, old, adv, mask, teacher, "token-mean", **how)
+    assert (my_loss - their_loss).abs() > 1e-3
+    core = importlib.import_module("verl.trainer.ppo.core_algos")
+    logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    config = verl_config("token-mean", 0.1, 0.1)
+    on_old, _ = core.compute_policy_loss_vanilla(old, logp, -(old - teacher), mask, "token-mean", config)
+    torch.testing.assert_close(my_loss, on_old, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["k3", "forward_kl_topk", "k1"])
+def test_without_a_reward_beta_scales_what_verl_fixes_at_1(verl_distillation, mode):
+    """verl ignores distillation_loss_coef without task rewards (beta = 1); --distill-coef keeps its meaning
+    with --no-reward: beta 0.25 is a quarter of verl's loss."""
+    *batch, teacher = distill_batch(4, mode, on_policy=True)
+    how = dict(reward=False, clamp=None, logp_clamp=None, clip=0.2 if mode == "k1" else 0.0)
+    their_loss, _ = verl_distill_loss(verl_distillation, mode, *batch, teacher, "token-mean", coef=0.25, **how)
+    my_loss, _ = my_distill_loss(mode, *batch, teacher, "token-mean", coef=0.25, **how)
+    assert their_loss.abs() > 1e-3
+    torch.testing.assert_close(my_loss, 0.25 * their_loss, rtol=1e-5, atol=1e-6)
