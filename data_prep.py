@@ -1,12 +1,12 @@
-"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
-(one file, or a directory of shards; TRL's prompt-only datasets too: prompt_data.py). Each task's data
-writer and scorer live in tasks/.
+"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with (one file,
+or a directory of shards; TRL's prompt-only datasets too: prompt_data.py). Each task's writer and scorer: tasks/.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (tasks/math.py)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
     python data_prep.py multiply --digits 3x2 --shots 2 --out data/products   # 347 * 58, for the calculator
+    python data_prep.py reasoning-gym --task chain_sum --out data/rgym   # its tasks: tasks/reasoning_gym.py
 One row per problem, in the columns verl's own data scripts write (so their files work here too):
     data_source   str    which reward scores this row, e.g. "openai/gsm8k"
     prompt        list   chat messages, [{"role": "user", "content": ...}]
@@ -27,6 +27,7 @@ from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
 from tasks.math import MATH_SOURCE, MATH_SOURCES, math_inputs, math_rows
 from tasks.multiply import write_multiply, write_products
+from tasks.reasoning_gym import write_reasoning_gym
 
 # ----------------------------------------------------------------------------------------------
 # The loader: every row is checked before training starts, not when a bad one is first sampled
@@ -373,6 +374,36 @@ def main(argv=None):
         default=0,
         help="--digits 3x2: worked examples of a calculator call before each question (0-3)",
     )
+    r = tasks.add_parser(
+        "reasoning-gym",
+        help="reasoning-gym's procedural tasks, scored by their own verifiers (tasks/reasoning_gym.py)",
+        description="reasoning-gym's tasks (pip install reasoning-gym): train.parquet from seeds --seed, --seed + 1, "
+        "...; test.parquet (--test-size rows per task) from disjoint seeds, none of its questions in training.",
+    )
+    r.add_argument(
+        "--task",
+        dest="task_names",
+        required=True,
+        help="NAME[,NAME...]: reasoning-gym task names, e.g. chain_sum,leg_counting",
+    )
+    r.add_argument("--size", type=int, default=2000, help="training rows, over the tasks in proportion to --weights")
+    r.add_argument("--test-size", type=int, default=100, help="held-out rows of each task")
+    r.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
+    r.add_argument("--out", default="data/reasoning_gym", help="directory to write train.parquet and test.parquet to")
+    r.add_argument("--weights", help="W[,W...]: one weight per --task (default: equal)")
+    r.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME.key=value",
+        help="a task's config value (JSON, else text), e.g. chain_sum.max_terms=3; repeat for several",
+    )
+    r.add_argument(
+        "--system-prompt",
+        default="default",
+        help="reasoning-gym's system prompt asking for <answer>...</answer>: default, direct, simple, DeepSeekZero, "
+        "chain_of_draft; or none (the question alone)",
+    )
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -394,6 +425,15 @@ def main(argv=None):
         write_products(args.out, args.seed, args.train_size, args.test_size, args.instruction, args.shots)
     elif args.task == "multiply":
         write_multiply(args.out, args.seed, args.low, args.high, args.test_pairs)
+    if args.task == "reasoning-gym":
+        try:
+            weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+            tasks = [t for t in args.task_names.split(",") if t]
+            write_reasoning_gym(
+                args.out, tasks, args.size, args.test_size, args.seed, weights, args.config, args.system_prompt
+            )
+        except ValueError as e:
+            parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""tasks/reasoning_gym.py: reasoning-gym's tasks as verl's parquet, and its verifiers as our reward: the rows,
+the command line's refusals, and the scorer, which must equal reasoning-gym's own on every task we write."""
+
+import pyarrow.parquet as pq
+import pytest
+
+import data_prep
+from data_prep import load_dataset
+from reward import BUILTIN_SOURCES, compute_score, score_rows
+from tasks.reasoning_gym import (
+    PREFIX,
+    TEST_SEED,
+    decode,
+    encode,
+    split_counts,
+    task_entries,
+    task_names,
+    write_reasoning_gym,
+)
+from user_errors import RewardError
+
+reasoning_gym = pytest.importorskip("reasoning_gym")
+from reasoning_gym.utils import extract_answer  # noqa: E402
+
+
+def read(path):
+    return pq.read_table(str(path)).to_pylist()
+
+
+# ----------------------------------------------------------------------------------------------
+# the data
+
+
+def test_rows_are_verls_schema_with_what_the_verifier_needs(tmp_path):
+    data_prep.main(["reasoning-gym", "--task", "chain_sum,leg_counting", "--size", "30", "--test-size", "10"]
+                   + ["--weights", "2,1", "--out", str(tmp_path)])  # fmt: skip
+    train, test = read(tmp_path / "train.parquet"), read(tmp_path / "test.parquet")
+    assert len(train) == 30 and len(test) == 20
+    sources = [r["data_source"] for r in train]
+    assert sources.count("reasoning_gym/chain_sum") == 20 and sources.count("reasoning_gym/leg_counting") == 10
+    assert sources != sorted(sources)  # shuffled: a batch mixes the tasks
+    assert [r["data_source"] for r in test] == ["reasoning_gym/chain_sum"] * 10 + ["reasoning_gym/leg_counting"] * 10
+    row = test[0]
+    system, user = row["prompt"]
+    assert system["role"] == "system" and "<answer>" in system["content"]  # reasoning-gym's default system prompt
+    info = row["extra_info"]
+    assert user == {"role": "user", "content": info["question"]}
+    assert row["reward_model"]["ground_truth"] == decode(info["answer"])
+    entry = reasoning_gym.create_dataset("chain_sum", seed=TEST_SEED, size=1)[0]  # test rows: seeds from TEST_SEED
+    assert (info["question"], decode(info["answer"])) == (entry["question"], entry["answer"])
+    assert decode(info["metadata"]) == entry["metadata"] and decode(info["metadata"])["source_dataset"] == "chain_sum"
+    assert info["split"] == "test" and decode(info["config"]) == {}
+    # held out: no training question is a test question; and verl's loader reads both with a built-in reward
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    for split in ("train", "test"):
+        assert len(load_dataset(str(tmp_path / f"{split}.parquet"), known_sources=BUILTIN_SOURCES)) == len(read(
+            tmp_path / f"{split}.parquet"))  # fmt: skip
+
+
+def test_the_same_seed_writes_the_same_files_and_another_seed_others(tmp_path):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        write_reasoning_gym(str(tmp_path / name), ["basic_arithmetic"], 20, 5, seed=seed)
+    assert read(tmp_path / "a" / "train.parquet") == read(tmp_path / "b" / "train.parquet")
+    assert read(tmp_path / "a" / "train.parquet") != read(tmp_path / "c" / "train.parquet")
+
+
+def test_config_values_reach_the_task_and_the_row(tmp_path):
+    args = ["--task", "chain_sum", "--size", "10", "--test-size", "2", "--out", str(tmp_path)]
+    data_prep.main(["reasoning-gym", *args, "--config", "chain_sum.min_terms=5", "--config", "chain_sum.max_terms=5"])
+    for row in read(tmp_path / "train.parquet"):
+        assert decode(row["extra_info"]["config"]) == {"min_terms": 5, "max_terms": 5}
+        assert decode(row["extra_info"]["metadata"])["num_terms"] == 5
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task", "chain_summ"], "unknown reasoning-gym task(s) ['chain_summ']; the tasks: ab, acre,"),
+        (["--task", "chain_sum", "--config", "chain_sum.max_term=3"], "its keys: ['allow_negation', 'max_digits',"),
+        (["--task", "chain_sum", "--config", "gcd.max_terms=3"], "'gcd' is not one of the --task tasks ['chain_sum']"),
+        (["--task", "chain_sum", "--config", "max_terms=3"], "expected NAME.key=value"),
+        (["--task", "chain_sum", "--config", "chain_sum.max_terms=0"], "max_terms must be >= min_terms"),
+        (["--task", "chain_sum,gcd", "--weights", "1"], "--weights [1.0]: expected 2 positive numbers"),
+        (["--task", "chain_sum", "--system-prompt", "chatty"], "expected one of ['DeepSeekZero', 'chain_of_draft',"),
+        (
+            [
+                "--task",
+                "chain_sum",
+                "--size",
+                "1000",
+                "--config",
+                "chain_sum.max_terms=2",
+                "--config",
+                "chain_sum.max_digits=1",
+            ],
+            "distinct questions in 10100 tries, fewer than 1000; ask for fewer",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_input_is_refused_naming_the_flag_and_the_valid_values(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        data_prep.main(["reasoning-gym", "--size", "5", "--out", str(tmp_path), *flags])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "train.parquet").exists()
+
+
+def test_split_counts_follow_the_weights_and_sum_to_the_total():
+    assert split_counts(10, [3, 1]) == [8, 2]  # 7.5 and 2.5: the tie goes to the first
+    assert split_counts(7, [1, 1, 1]) == [3, 2, 2]
+    assert sum(split_counts(1001, [0.3, 2, 5])) == 1001
+
+
+def test_encode_keeps_tuples_and_int_keys_which_json_loses():
+    value = {"grid": ((1, 2), (3, 4)), "colors": {0: "red", 1: None}, "nested": [{"a": (1.5, True)}], "s": "x"}
+    assert decode(encode(value)) == value and isinstance(decode(encode(value))["grid"][0], tuple)
+    with pytest.raises(TypeError, match="has no JSON form"):
+        encode({"when": object()})
+
+
+# ----------------------------------------------------------------------------------------------
+# the scorer: reasoning-gym's own, on every task data_prep writes
+
+
+def responses(entry, other):
+    """The answers to score: right (when the task has one), wrong, partly right, empty, missing, and another row's."""
+    answer = entry["answer"] if isinstance(entry["answer"], str) else "1"
+    texts = [answer, answer + " and more", " " + answer.upper() + " ", "", "0", "[[1, 2], [3, 4]]", other or "x"]
+    return [f"Thinking... <answer>{t}</answer>" for t in texts] + ["I cannot say.", "<answer>1</answer> <answer>"]
+
+
+@pytest.mark.parametrize("name", task_names())
+def test_the_scorer_equals_reasoning_gyms_own(tmp_path, name):
+    # the rows go through the parquet file and the loader, as in training; reasoning-gym's own score is the
+    # entry's dataset's score_answer(extract_answer(response), entry), on the entry as the generator made it
+    write_reasoning_gym(str(tmp_path), [name], 2, 2, seed=3)
+    held_out = [r["extra_info"]["question"] for r in read(tmp_path / "test.parquet")]
+    for split, seed, exclude in (("test", 3 + TEST_SEED, ()), ("train", 3, held_out)):
+        rows = load_dataset(str(tmp_path / f"{split}.parquet"), known_sources=BUILTIN_SOURCES)
+        data, entries = task_entries(name, 2, seed, {}, exclude)
+        assert [r["extra_info"]["question"] for r in rows] == [e["question"] for e in entries] or split == "train"
+        by_question = {e["question"]: e for e in entries}
+        for i, row in enumerate(rows):
+            entry = by_question[row["extra_info"]["question"]]
+            for text in responses(entry, entries[1 - i]["answer"]):
+                try:
+                    theirs = float(data.score_answer(extract_answer(text), entry))
+                except Exception as e:
+                    theirs = type(e).__name__
+                try:
+                    ours = compute_score(
+                        row["data_source"], text, row["reward_model"]["ground_truth"], row["extra_info"]
+                    )
+                except Exception as e:
+                    ours = type(e).__name__
+                assert ours == theirs, (name, split, text)
+
+
+def test_partial_credit_stays_partial_and_a_missing_answer_scores_0(tmp_path):
+    write_reasoning_gym(str(tmp_path), ["spell_backward"], 1, 1)
+    row = read(tmp_path / "test.parquet")[0]
+    truth = row["reward_model"]["ground_truth"]
+    half = len(truth) // 2  # spell_backward's partial credit: the share of letters in the right place
+    answer = truth[:half] + "#" * (len(truth) - half)
+    score = compute_score(row["data_source"], f"<answer>{answer}</answer>", truth, row["extra_info"])
+    assert 0 < half < len(truth) and score == pytest.approx(half / len(truth))
+    assert compute_score(row["data_source"], truth, truth, row["extra_info"]) == 0.0  # no <answer> tags
+    # the last <answer> counts, as in reasoning-gym's extract_answer
+    assert (
+        compute_score(row["data_source"], f"<answer>no</answer> <answer>{truth}</answer>", truth, row["extra_info"])
+        == 1.0
+    )
+
+
+def test_a_scorer_that_raises_is_a_reward_error_counted_or_fatal(tmp_path):
+    write_reasoning_gym(str(tmp_path), ["chain_sum"], 1, 2)
+    rows = read(tmp_path / "test.parquet")
+    rows[1]["extra_info"] = {"split": "test", "index": 1}  # a row written by hand, without the entry
+    with pytest.raises(RewardError, match="sample 1 .*reasoning_gym/chain_sum.*extra_info lacks"):
+        score_rows(compute_score, rows, ["<answer>1</answer>"] * 2, where="step 3")
+    scores, extras = score_rows(compute_score, rows, ["<answer>1</answer>"] * 2, errors="skip", where="step 3")
+    assert scores[1] == 0.0 and extras["reward_error"] == [0.0, 1.0]
+
+
+def test_every_reasoning_gym_task_is_a_builtin_source_and_no_other_name_is():
+    assert all(PREFIX + name in BUILTIN_SOURCES for name in task_names()) and len(task_names()) >= 100
+    assert "reasoning_gym/composite" not in BUILTIN_SOURCES and "reasoning_gym/chain_summ" not in BUILTIN_SOURCES
+    with pytest.raises(ValueError, match="no built-in reward .*reasoning_gym/<task>"):
+        compute_score("reasoning_gym/chain_summ", "<answer>1</answer>", "1", {})
