@@ -186,3 +186,63 @@ def test_every_reasoning_gym_task_is_a_builtin_source_and_no_other_name_is():
     assert "reasoning_gym/composite" not in BUILTIN_SOURCES and "reasoning_gym/chain_summ" not in BUILTIN_SOURCES
     with pytest.raises(ValueError, match="no built-in reward .*reasoning_gym/<task>"):
         compute_score("reasoning_gym/chain_summ", "<answer>1</answer>", "1", {})
+
+
+# ----------------------------------------------------------------------------------------------
+# per-task validation metrics, as training's validation and eval.py compute them
+
+
+def test_validation_metrics_are_per_task_with_partial_credit(tmp_path):
+    """eval.validate on two tasks with a scripted engine: each task gets verl's metrics under its own
+    data_source, and spell_backward's partial credit is averaged as it is (mean), while pass@k counts full scores."""
+    from conftest import QWEN_DIR, need
+    from transformers import AutoTokenizer
+
+    from engine import Rollout
+    from eval import validate
+
+    need(QWEN_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(QWEN_DIR)
+    write_reasoning_gym(str(tmp_path), ["chain_sum", "spell_backward"], 2, 3)
+    rows, _ = data_prep.load_prompts(str(tmp_path / "test.parquet"), tokenizer, BUILTIN_SOURCES)
+    truths = [r["reward_model"]["ground_truth"] for r in rows]
+    # sample 1 of each prompt is right; sample 2 is wrong for chain_sum, half right for spell_backward
+    answers = [(t, "-1" if i < 3 else t[: len(t) // 2] + "#" * (len(t) - len(t) // 2)) for i, t in enumerate(truths)]
+    texts = [f"<answer>{a}</answer>" for pair in answers for a in pair]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    class Scripted:
+        def generate(self, prompts, *, n, seeds, **kw):
+            ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+            return Rollout(response_ids=ids, truncated=[False] * len(ids))
+
+    metrics, samples = validate(Scripted(), rows, tokenizer, compute_score, {eos}, n=2, temperature=1.0,
+                                max_new_tokens=16, seed=0)  # fmt: skip
+    halves = [(len(t) // 2) / len(t) for t in truths[3:]]
+    assert metrics["val-core/reasoning_gym/chain_sum/reward/mean@2"] == 0.5
+    assert metrics["val-core/reasoning_gym/spell_backward/reward/mean@2"] == pytest.approx(
+        sum(1 + h for h in halves) / 6
+    )
+    assert metrics["val-aux/reasoning_gym/chain_sum/reward/pass@2"] == 1.0
+    assert metrics["val-aux/reasoning_gym/spell_backward/reward/best@2/mean"] > 0.75
+    assert [s["score"] for s in samples][:2] == [1.0, 0.0]
+
+
+@pytest.mark.slow
+def test_eval_py_scores_any_reasoning_gym_task_with_the_usual_command(qwen_model, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    write_reasoning_gym(str(tmp_path / "data"), ["gcd", "word_sorting"], 2, 3)
+    out = tmp_path / "eval.json"
+    flags = f"--model {qwen_model} --data {tmp_path / 'data' / 'test.parquet'} --max-new-tokens 8 --out {out}"
+    proc = subprocess.run([sys.executable, "eval.py", *flags.split()], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.load(open(out))["metrics"]
+    for task in ("gcd", "word_sorting"):
+        assert 0.0 <= metrics[f"val-core/reasoning_gym/{task}/reward/mean@1"] <= 1.0
+        assert f"val-core/reasoning_gym/{task}/reward/mean@1" in proc.stdout
