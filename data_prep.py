@@ -404,6 +404,7 @@ def main(argv=None):
         help="reasoning-gym's system prompt asking for <answer>...</answer>: default, direct, simple, DeepSeekZero, "
         "chain_of_draft; or none (the question alone)",
     )
+    r.add_argument("--level", type=int, help="each task at this level of reasoning-gym's curriculum (--curriculum)")
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -430,7 +431,15 @@ def main(argv=None):
             weights = [float(w) for w in args.weights.split(",")] if args.weights else None
             tasks = [t for t in args.task_names.split(",") if t]
             write_reasoning_gym(
-                args.out, tasks, args.size, args.test_size, args.seed, weights, args.config, args.system_prompt
+                args.out,
+                tasks,
+                args.size,
+                args.test_size,
+                args.seed,
+                weights,
+                args.config,
+                args.system_prompt,
+                args.level,
             )
         except ValueError as e:
             parser.error(str(e))

@@ -142,9 +142,9 @@ def entry_row(name, entry, split, index, config, system_prompt, level=None):
     }
 
 
-def task_entries(name, count, seed, config, exclude=()):
+def task_entries(name, count, seed, config, exclude=(), distinct=True):
     """(the dataset, `count` of its entries): task `name` built with `config` and dataset seed `seed`, its entries
-    0, 1, ... in order, skipping questions already seen or in `exclude`."""
+    0, 1, ... in order, skipping questions in `exclude` and, if `distinct`, questions already taken."""
     limit = 10 * count + 100
     data, entries, seen = make_task(name, seed, limit, config), [], set(exclude)
     for idx in range(limit):
@@ -152,18 +152,57 @@ def task_entries(name, count, seed, config, exclude=()):
             return data, entries
         entry = data[idx]
         if entry["question"] not in seen:
-            seen.add(entry["question"])
+            seen.update([entry["question"]] if distinct else [])
             entries.append(entry)
     raise ValueError(
-        f"reasoning-gym task {name!r} with config {config}: only {len(entries)} distinct questions in "
+        f"reasoning-gym task {name!r} with config {config}: only {len(entries)} usable questions in "
         f"{limit} tries, fewer than {count}; ask for fewer, or widen its config (--config {name}.key=value)"
     )
 
 
 def task_rows(name, count, seed, split, config, system_prompt, exclude=(), level=None):
-    """`count` rows of task_entries(name, count, seed, config, exclude)."""
-    entries = task_entries(name, count, seed, config, exclude)[1]
+    """`count` rows of task `name` (task_entries): the test split's questions distinct, the training split's
+    none of `exclude` (the test questions), repeats allowed (a small task has few questions)."""
+    entries = task_entries(name, count, seed, config, exclude, distinct=split == "test")[1]
     return [entry_row(name, e, split, i, config, system_prompt, level) for i, e in enumerate(entries)]
+
+
+def level_config(name, level, config):
+    """`config` ({key: value}) with the keys reasoning-gym's curriculum for task `name` sets at `level` (its
+    global level: every attribute at that level, or its last) replaced by the curriculum's values."""
+    from reasoning_gym.coaching.attributes import RangeAttributeDefinition
+    from reasoning_gym.factory import CURRICULA, create_curriculum
+
+    if name not in CURRICULA:
+        raise ValueError(f"reasoning-gym task {name!r} has no curriculum; the tasks that have one: {sorted(CURRICULA)}")
+    curriculum = create_curriculum(name)
+    if not 0 <= level <= max_level(name):
+        raise ValueError(f"--level {level}: {name}'s curriculum has levels 0 to {max_level(name)}")
+    curriculum.set_global_level(level)
+    generated = curriculum.generate_configuration()
+    keys = []
+    for attr in curriculum.attributes.values():
+        ranged = isinstance(attr, RangeAttributeDefinition)
+        keys += [attr.lower_field_name, attr.upper_field_name] if ranged else [attr.field_name]
+    return {**config, **{key: getattr(generated, key) for key in keys}}
+
+
+def max_level(name):
+    """The highest global level of task `name`'s curriculum: its longest attribute's last."""
+    from reasoning_gym.factory import create_curriculum
+
+    return max(len(attr.levels) for attr in create_curriculum(name).attributes.values()) - 1
+
+
+def level_rows(name, level, step, seed, config, system_prompt, counts):
+    """(train, test) rows of task `name` at curriculum `level`, `counts` = (train, test) of them, from dataset
+    seeds that follow from `step` (seed + LEVEL_SEED + step; the test's TEST_SEED above): the same arguments
+    give the same rows, which is what makes a resumed curriculum run draw the same prompts."""
+    config = level_config(name, level, config)
+    base = seed + LEVEL_SEED + step
+    test = task_rows(name, counts[1], base + TEST_SEED, "test", config, system_prompt, level=level)
+    exclude = {r["extra_info"]["question"] for r in test}
+    return task_rows(name, counts[0], base, "train", config, system_prompt, exclude, level), test
 
 
 def split_counts(total, weights):
@@ -175,10 +214,13 @@ def split_counts(total, weights):
     return counts
 
 
-def write_reasoning_gym(out_dir, tasks, size, test_size, seed=0, weights=None, configs=(), prompt="default"):
+def write_reasoning_gym(
+    out_dir, tasks, size, test_size, seed=0, weights=None, configs=(), prompt="default", level=None
+):
     """Write train.parquet (`size` rows over `tasks`, in proportion to `weights`, shuffled) and test.parquet
     (`test_size` rows of each task) to `out_dir`. configs: --config's NAME.key=value strings; prompt: a key of
-    reasoning-gym's SYSTEM_PROMPTS, or "none" for the question alone."""
+    reasoning-gym's SYSTEM_PROMPTS, or "none" for the question alone; level: each task at that level of its
+    curriculum (level_config), where --curriculum starts (curriculum.py)."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     unknown = [t for t in tasks if t not in task_names()]
@@ -193,10 +235,11 @@ def write_reasoning_gym(out_dir, tasks, size, test_size, seed=0, weights=None, c
     config = parse_configs(configs, tasks)
     train, test = [], []
     for task, count in zip(tasks, split_counts(size, weights)):
-        held_out = task_rows(task, test_size, seed + TEST_SEED, "test", config[task], system_prompt)
+        task_config = config[task] if level is None else level_config(task, level, config[task])
+        held_out = task_rows(task, test_size, seed + TEST_SEED, "test", task_config, system_prompt, level=level)
         test += held_out
         exclude = {r["extra_info"]["question"] for r in held_out}
-        train += task_rows(task, count, seed, "train", config[task], system_prompt, exclude)
+        train += task_rows(task, count, seed, "train", task_config, system_prompt, exclude, level)
     random.Random(f"reasoning-gym-{seed}").shuffle(train)
     write_parquet(train, os.path.join(out_dir, "train.parquet"))
     write_parquet(test, os.path.join(out_dir, "test.parquet"))

@@ -12,6 +12,9 @@ from tasks.reasoning_gym import (
     TEST_SEED,
     decode,
     encode,
+    level_config,
+    level_rows,
+    max_level,
     split_counts,
     task_entries,
     task_names,
@@ -86,14 +89,14 @@ def test_config_values_reach_the_task_and_the_row(tmp_path):
             [
                 "--task",
                 "chain_sum",
-                "--size",
-                "1000",
+                "--test-size",
+                "300",
                 "--config",
                 "chain_sum.max_terms=2",
                 "--config",
                 "chain_sum.max_digits=1",
             ],
-            "distinct questions in 10100 tries, fewer than 1000; ask for fewer",
+            "only 200 usable questions in 3100 tries, fewer than 300; ask for fewer",
         ),  # fmt: skip
     ],
 )
@@ -246,3 +249,31 @@ def test_eval_py_scores_any_reasoning_gym_task_with_the_usual_command(qwen_model
     for task in ("gcd", "word_sorting"):
         assert 0.0 <= metrics[f"val-core/reasoning_gym/{task}/reward/mean@1"] <= 1.0
         assert f"val-core/reasoning_gym/{task}/reward/mean@1" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# curriculum levels (curriculum.py raises them during training)
+
+
+def test_a_level_is_reasoning_gyms_curriculum_over_the_users_config(tmp_path):
+    assert level_config("chain_sum", 0, {"allow_negation": True}) == {
+        "allow_negation": True, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # fmt: skip
+    assert level_config("chain_sum", 1, {"max_terms": 9}) | {"allow_negation": 0} == {
+        "allow_negation": 0, "min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}  # fmt: skip
+    assert max_level("chain_sum") == 10 and level_config("chain_sum", 10, {})["max_terms"] == 12
+    with pytest.raises(ValueError, match="levels 0 to 10"):
+        level_config("chain_sum", 11, {})
+    with pytest.raises(ValueError, match="'acre' has no curriculum; the tasks that have one: \\['ab', "):
+        level_config("acre", 0, {})
+    write_reasoning_gym(str(tmp_path), ["chain_sum"], 6, 4, level=1)
+    for row in read(tmp_path / "train.parquet") + read(tmp_path / "test.parquet"):
+        assert row["extra_info"]["level"] == 1 and decode(row["extra_info"]["config"])["max_digits"] == 2
+
+
+def test_level_rows_follow_from_the_step_and_are_held_out():
+    args = ("chain_sum", 2, 7, 0, {}, "")
+    train, test = level_rows(*args, counts=(20, 10))
+    assert (train, test) == level_rows(*args, counts=(20, 10))  # the same step: the same rows
+    assert train != level_rows("chain_sum", 2, 8, 0, {}, "", counts=(20, 10))[0]  # another step: others
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    assert {r["extra_info"]["level"] for r in train + test} == {2} and len(train) == 20 and len(test) == 10
