@@ -177,13 +177,7 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
             row["prompt_ids"] = tools.render_prompt(tokenizer, row["prompt"], row_schemas)
         else:
             chats.append(row)
-    for i in range(0, len(chats), RENDER_BATCH):
-        batch = chats[i : i + RENDER_BATCH]
-        ids = tokenizer.apply_chat_template(
-            [list(row["prompt"]) for row in batch], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for row, prompt_ids in zip(batch, ids):
-            row["prompt_ids"] = prompt_ids
+    render_chats(chats, tokenizer)
     check_prompt_tokens(path, rows)
     warning = unknown_tokens_warning(path, rows, tokenizer)
     if warning:
@@ -196,6 +190,17 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     if not kept:
         raise DataError(f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens")
     return kept, len(rows) - len(kept)
+
+
+def render_chats(rows, tokenizer):
+    """Sets each row's prompt_ids: its chat messages through the tokenizer's chat template, RENDER_BATCH rows a call."""
+    for i in range(0, len(rows), RENDER_BATCH):
+        batch = rows[i : i + RENDER_BATCH]
+        ids = tokenizer.apply_chat_template(
+            [list(row["prompt"]) for row in batch], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for row, prompt_ids in zip(batch, ids):
+            row["prompt_ids"] = prompt_ids
 
 
 def check_chat_template(tokenizer):
