@@ -197,6 +197,12 @@ BAD = [
     (["--no-reward"], "--no-reward (pure distillation) needs --teacher DIR"),
     (["--teacher", "t", "--no-reward", "--distill-coef", "0"], "--no-reward with --distill-coef 0 leaves no advantage"),
     (["--teacher", "self"], "--teacher self needs --teacher-prompt-key"),
+    (["--curriculum-threshold", "1.5"], "--curriculum-threshold must be in [0, 1], got 1.5"),
+    (["--curriculum", "--test-freq", "-1"], "--curriculum raises levels at validations: give --test-freq N >= 1"),
+    (
+        ["--curriculum", "--max-staleness", "1"],
+        "--curriculum replaces rows at validations: not with rollouts made ahead",
+    ),
     (
         ["--teacher", "t", "--teacher-prompt-key", "k", "--tools", "examples/tools/calculator.py"],
         "--teacher-prompt-key with --tools",
