@@ -20,7 +20,7 @@ class Curriculum:
 
     def __init__(self, args, train_rows, val_rows, tokenizer, history=()):
         self.args, self.train_rows, self.val_rows, self.tokenizer = args, train_rows, val_rows, tokenizer
-        self.tasks = {}  # NAME -> {"level", "config", "system_prompt"}, from its first training row
+        self.tasks = {}  # NAME -> {"level", "config", "before"}, from its first training row
         for i, row in enumerate(train_rows if args.curriculum else []):
             name, info = row["data_source"][len(PREFIX) :], row.get("extra_info") or {}
             if not is_rgym_source(row["data_source"]) or name in self.tasks:
@@ -30,8 +30,8 @@ class Curriculum:
                     f"--curriculum: {args.train_data}, row {i} ({row['data_source']}) has no curriculum level in "
                     "extra_info.level; write the data at a level: python data_prep.py reasoning-gym --task NAME --level 0"
                 )
-            system = row["prompt"][0]["content"] if row["prompt"][0]["role"] == "system" else ""
-            self.tasks[name] = {"level": info["level"], "config": decode(info["config"]), "system_prompt": system}
+            before = row["prompt"][:-1]  # the system prompt and worked examples, kept for the new rows
+            self.tasks[name] = {"level": info["level"], "config": decode(info["config"]), "before": before}
         if args.curriculum and not self.tasks:
             raise SystemExit(
                 f"--curriculum: {args.train_data} has no reasoning-gym rows (data_source reasoning_gym/NAME)"
@@ -76,7 +76,7 @@ class Curriculum:
         places = [
             [i for i, r in enumerate(rows) if r["data_source"] == source] for rows in (self.train_rows, self.val_rows)
         ]
-        how = (task["config"], task["system_prompt"], (len(places[0]), len(places[1])))
+        how = (task["config"], task["before"], (len(places[0]), len(places[1])))
         new = level_rows(name, task["level"], step, self.args.seed, *how)
         for rows, where, made in zip((self.train_rows, self.val_rows), places, new):
             render_chats(made, self.tokenizer)

@@ -409,6 +409,7 @@ def main(argv=None):
         help="reasoning-gym's system prompt asking for <answer>...</answer>: default, direct, simple, DeepSeekZero, "
         "chain_of_draft; or none (the question alone)",
     )
+    r.add_argument("--shots", type=int, default=0, help="worked examples (question, <answer>answer</answer>) first")
     r.add_argument("--level", type=int, help="each task at this level of reasoning-gym's curriculum (--curriculum)")
     args = parser.parse_args(argv)
 
@@ -435,17 +436,8 @@ def main(argv=None):
         try:
             weights = [float(w) for w in args.weights.split(",")] if args.weights else None
             tasks = [t for t in args.task_names.split(",") if t]
-            write_reasoning_gym(
-                args.out,
-                tasks,
-                args.size,
-                args.test_size,
-                args.seed,
-                weights,
-                args.config,
-                args.system_prompt,
-                args.level,
-            )
+            how = dict(configs=args.config, prompt=args.system_prompt, level=args.level, shots=args.shots)
+            write_reasoning_gym(args.out, tasks, args.size, args.test_size, args.seed, weights, **how)
         except ValueError as e:
             parser.error(str(e))
 

@@ -22,6 +22,7 @@ from tasks.common import write_parquet
 
 PREFIX = "reasoning_gym/"  # data_source = PREFIX + task name
 TEST_SEED = 10**8  # the test split's seeds start here above the training split's
+SHOT_SEED = 2 * 10**8  # --shots' worked examples: seed + SHOT_SEED
 LEVEL_SEED = 10**9  # a curriculum's rows: seed + LEVEL_SEED + ... (curriculum.py)
 SKIP = ("composite",)  # reasoning-gym's mixer of other tasks: --task a,b --weights does that here
 
@@ -121,13 +122,13 @@ def make_task(name, seed, size, config):
         raise ValueError(f"reasoning-gym task {name!r} with config {config}: {type(e).__name__}: {e}") from None
 
 
-def entry_row(name, entry, split, index, config, system_prompt, level=None):
-    """One reasoning-gym entry ({"question", "answer", "metadata"}) as a row of verl's schema."""
+def entry_row(name, entry, split, index, config, before, level=None):
+    """One reasoning-gym entry ({"question", "answer", "metadata"}) as a row of verl's schema; `before`: the
+    messages before its question (the system prompt, worked examples)."""
     answer = entry["answer"]  # None for tasks with many right answers (the verifier checks them)
-    prompt = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return {
         "data_source": PREFIX + name,
-        "prompt": prompt + [{"role": "user", "content": entry["question"]}],
+        "prompt": list(before) + [{"role": "user", "content": entry["question"]}],
         "ability": "reasoning",
         "reward_model": {"style": "rule", "ground_truth": answer if isinstance(answer, str) else ""},
         "extra_info": {
@@ -160,11 +161,11 @@ def task_entries(name, count, seed, config, exclude=(), distinct=True):
     )
 
 
-def task_rows(name, count, seed, split, config, system_prompt, exclude=(), level=None):
+def task_rows(name, count, seed, split, config, before, exclude=(), level=None):
     """`count` rows of task `name` (task_entries): the test split's questions distinct, the training split's
     none of `exclude` (the test questions), repeats allowed (a small task has few questions)."""
     entries = task_entries(name, count, seed, config, exclude, distinct=split == "test")[1]
-    return [entry_row(name, e, split, i, config, system_prompt, level) for i, e in enumerate(entries)]
+    return [entry_row(name, e, split, i, config, before, level) for i, e in enumerate(entries)]
 
 
 def level_config(name, level, config):
@@ -194,15 +195,26 @@ def max_level(name):
     return max(len(attr.levels) for attr in create_curriculum(name).attributes.values()) - 1
 
 
-def level_rows(name, level, step, seed, config, system_prompt, counts):
+def level_rows(name, level, step, seed, config, before, counts):
     """(train, test) rows of task `name` at curriculum `level`, `counts` = (train, test) of them, from dataset
     seeds that follow from `step` (seed + LEVEL_SEED + step; the test's TEST_SEED above): the same arguments
     give the same rows, which is what makes a resumed curriculum run draw the same prompts."""
     config = level_config(name, level, config)
     base = seed + LEVEL_SEED + step
-    test = task_rows(name, counts[1], base + TEST_SEED, "test", config, system_prompt, level=level)
+    test = task_rows(name, counts[1], base + TEST_SEED, "test", config, before, level=level)
     exclude = {r["extra_info"]["question"] for r in test}
-    return task_rows(name, counts[0], base, "train", config, system_prompt, exclude, level), test
+    return task_rows(name, counts[0], base, "train", config, before, exclude, level), test
+
+
+def worked_examples(name, shots, seed, config):
+    """`shots` worked examples of task `name` as chat messages, each its question and the answer in
+    <answer>...</answer> (entries of dataset seed `seed`, beyond both splits' seeds): the same before every
+    question of the task. A small model may never write the tags unprompted (SmolLM2-135M-Instruct did not)."""
+    entries = task_entries(name, shots, seed, config)[1] if shots else []
+    if any(not isinstance(e["answer"], str) for e in entries):
+        raise ValueError(f"--shots: {name} has no single right answer to show; use --shots 0")
+    return [m for e in entries for m in ({"role": "user", "content": e["question"]},
+                                         {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]  # fmt: skip
 
 
 def split_counts(total, weights):
@@ -215,12 +227,13 @@ def split_counts(total, weights):
 
 
 def write_reasoning_gym(
-    out_dir, tasks, size, test_size, seed=0, weights=None, configs=(), prompt="default", level=None
+    out_dir, tasks, size, test_size, seed=0, weights=None, configs=(), prompt="default", level=None, shots=0
 ):
     """Write train.parquet (`size` rows over `tasks`, in proportion to `weights`, shuffled) and test.parquet
     (`test_size` rows of each task) to `out_dir`. configs: --config's NAME.key=value strings; prompt: a key of
     reasoning-gym's SYSTEM_PROMPTS, or "none" for the question alone; level: each task at that level of its
-    curriculum (level_config), where --curriculum starts (curriculum.py)."""
+    curriculum (level_config), where --curriculum starts (curriculum.py); shots: worked examples before each
+    question (worked_examples)."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     unknown = [t for t in tasks if t not in task_names()]
@@ -231,15 +244,16 @@ def write_reasoning_gym(
         raise ValueError(f"--weights {weights}: expected {len(tasks)} positive numbers, one per --task")
     if prompt != "none" and prompt not in SYSTEM_PROMPTS:
         raise ValueError(f"--system-prompt {prompt!r}: expected one of {sorted(SYSTEM_PROMPTS)} or 'none'")
-    system_prompt = SYSTEM_PROMPTS[prompt] if prompt != "none" else ""
+    system = [{"role": "system", "content": SYSTEM_PROMPTS[prompt]}] if prompt != "none" else []
     config = parse_configs(configs, tasks)
     train, test = [], []
     for task, count in zip(tasks, split_counts(size, weights)):
         task_config = config[task] if level is None else level_config(task, level, config[task])
-        held_out = task_rows(task, test_size, seed + TEST_SEED, "test", task_config, system_prompt, level=level)
+        before = system + worked_examples(task, shots, seed + SHOT_SEED, task_config)
+        held_out = task_rows(task, test_size, seed + TEST_SEED, "test", task_config, before, level=level)
         test += held_out
         exclude = {r["extra_info"]["question"] for r in held_out}
-        train += task_rows(task, count, seed, "train", task_config, system_prompt, exclude, level)
+        train += task_rows(task, count, seed, "train", task_config, before, exclude, level)
     random.Random(f"reasoning-gym-{seed}").shuffle(train)
     write_parquet(train, os.path.join(out_dir, "train.parquet"))
     write_parquet(test, os.path.join(out_dir, "test.parquet"))

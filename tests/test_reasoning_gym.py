@@ -9,6 +9,7 @@ from data_prep import load_dataset
 from reward import BUILTIN_SOURCES, compute_score, score_rows
 from tasks.reasoning_gym import (
     PREFIX,
+    SHOT_SEED,
     TEST_SEED,
     decode,
     encode,
@@ -277,3 +278,17 @@ def test_level_rows_follow_from_the_step_and_are_held_out():
     assert train != level_rows("chain_sum", 2, 8, 0, {}, "", counts=(20, 10))[0]  # another step: others
     assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
     assert {r["extra_info"]["level"] for r in train + test} == {2} and len(train) == 20 and len(test) == 10
+
+
+def test_shots_put_the_same_worked_examples_before_every_question(tmp_path):
+    write_reasoning_gym(str(tmp_path), ["chain_sum"], 6, 3, prompt="direct", shots=2)
+    rows = read(tmp_path / "train.parquet") + read(tmp_path / "test.parquet")
+    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert all(row["prompt"][:-1] == rows[0]["prompt"][:-1] for row in rows)
+    shown = rows[0]["prompt"][1:5]
+    entry = reasoning_gym.create_dataset("chain_sum", seed=SHOT_SEED, size=1)[0]  # from seeds beyond both splits'
+    assert shown[:2] == [{"role": "user", "content": entry["question"]},
+                         {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]  # fmt: skip
+    assert not {shown[0]["content"], shown[2]["content"]} & {r["extra_info"]["question"] for r in rows[6:]}
+    with pytest.raises(ValueError, match="graph_color has no single right answer to show"):
+        write_reasoning_gym(str(tmp_path), ["graph_color"], 2, 2, shots=1)
