@@ -404,6 +404,19 @@ def good_flag_sets(tmp):
             1,
         ),  # README's SmolLM2 example
         (
+            [
+                "--model",
+                str(tmp),
+                *data,
+                *"--prompt-batch-size 8 --mini-batch-size 8 --group-size 8 --max-prompt-length 256 --max-response-length 32 --kl-coef 0 --lr 2e-5 --test-freq 5 --dtype auto".split(),
+            ],
+            1,
+        ),  # README's reasoning-gym example
+        (
+            [*data, "--curriculum", "--curriculum-threshold", "0", "--test-freq", "1", "--rollout", "hf"],
+            2,
+        ),  # test_curriculum
+        (
             [f"--{k.replace('_', '-')}={v}" for k, v in bench.items()]
             + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"],
             1,
