@@ -281,6 +281,10 @@ class Args:
     """Validate on at most this many prompts (-1: all)."""
     val_n: int = rule(1, ">= 1", lambda v: v >= 1)
     """Validation samples per prompt: mean@n headlines, with std@n, best@k, worst@k, maj@k, pass@k (eval.py)."""
+    curriculum: bool = False
+    """reasoning-gym tasks (data written with --level) go up a level after a validation at the threshold (curriculum.py)."""
+    curriculum_threshold: float = rule(0.8, "in [0, 1]", lambda v: 0 <= v <= 1)
+    """With --curriculum: the held-out accuracy (val-core/.../mean@n) at which a task goes up a level."""
     early_stop_metric: str = ""
     """Stop when this validation metric (e.g. val-core/openai/gsm8k/reward/mean@1) stops improving; empty: off."""
     early_stop_patience: int = rule(3, ">= 1", lambda v: v >= 1)
@@ -354,6 +358,11 @@ def check_args(args, world=1, cuda=None):
         *[(a.tools or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --tools") for n in TOOL_SETTINGS],
         *[(a.teacher or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --teacher DIR") for n in DISTILL_SETTINGS],
         *distill_rules(a),
+        (not a.curriculum or a.test_freq > 0, "--curriculum raises levels at validations: give --test-freq N >= 1"),
+        (
+            not a.curriculum or a.max_staleness + a.rollout_ranks == 0,
+            "--curriculum replaces rows at validations: not with rollouts made ahead (--max-staleness, --rollout-ranks)",
+        ),
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),

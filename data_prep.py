@@ -1,12 +1,12 @@
-"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with
-(one file, or a directory of shards; TRL's prompt-only datasets too: prompt_data.py). Each task's data
-writer and scorer live in tasks/.
+"""Datasets -> parquet in verl's schema, and the loader that training and evaluation read it with (one file,
+or a directory of shards; TRL's prompt-only datasets too: prompt_data.py). Each task's writer and scorer: tasks/.
 
     python data_prep.py gsm8k --input ../shared/data/gsm8k --out data/gsm8k
     python data_prep.py math --input MATH/ --out data/math    # MATH-format jsonl you bring (tasks/math.py)
     python data_prep.py digits --out data/digits          # the synthetic task the demo trains on
     python data_prep.py multiply --out data/multiply      # times tables: the real-model example's task
     python data_prep.py multiply --digits 3x2 --shots 2 --out data/products   # 347 * 58, for the calculator
+    python data_prep.py reasoning-gym --task chain_sum --out data/rgym   # its tasks: tasks/reasoning_gym.py
 One row per problem, in the columns verl's own data scripts write (so their files work here too):
     data_source   str    which reward scores this row, e.g. "openai/gsm8k"
     prompt        list   chat messages, [{"role": "user", "content": ...}]
@@ -27,6 +27,7 @@ from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
 from tasks.math import MATH_SOURCE, MATH_SOURCES, math_inputs, math_rows
 from tasks.multiply import write_multiply, write_products
+from tasks.reasoning_gym import write_reasoning_gym
 
 # ----------------------------------------------------------------------------------------------
 # The loader: every row is checked before training starts, not when a bad one is first sampled
@@ -176,13 +177,7 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
             row["prompt_ids"] = tools.render_prompt(tokenizer, row["prompt"], row_schemas)
         else:
             chats.append(row)
-    for i in range(0, len(chats), RENDER_BATCH):
-        batch = chats[i : i + RENDER_BATCH]
-        ids = tokenizer.apply_chat_template(
-            [list(row["prompt"]) for row in batch], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        for row, prompt_ids in zip(batch, ids):
-            row["prompt_ids"] = prompt_ids
+    render_chats(chats, tokenizer)
     check_prompt_tokens(path, rows)
     warning = unknown_tokens_warning(path, rows, tokenizer)
     if warning:
@@ -195,6 +190,17 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     if not kept:
         raise DataError(f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens")
     return kept, len(rows) - len(kept)
+
+
+def render_chats(rows, tokenizer):
+    """Sets each row's prompt_ids: its chat messages through the tokenizer's chat template, RENDER_BATCH rows a call."""
+    for i in range(0, len(rows), RENDER_BATCH):
+        batch = rows[i : i + RENDER_BATCH]
+        ids = tokenizer.apply_chat_template(
+            [list(row["prompt"]) for row in batch], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for row, prompt_ids in zip(batch, ids):
+            row["prompt_ids"] = prompt_ids
 
 
 def check_chat_template(tokenizer):
@@ -373,6 +379,38 @@ def main(argv=None):
         default=0,
         help="--digits 3x2: worked examples of a calculator call before each question (0-3)",
     )
+    r = tasks.add_parser(
+        "reasoning-gym",
+        help="reasoning-gym's procedural tasks, scored by their own verifiers (tasks/reasoning_gym.py)",
+        description="reasoning-gym's tasks (pip install reasoning-gym): train.parquet from seeds --seed, --seed + 1, "
+        "...; test.parquet (--test-size rows per task) from disjoint seeds, none of its questions in training.",
+    )
+    r.add_argument(
+        "--task",
+        dest="task_names",
+        required=True,
+        help="NAME[,NAME...]: reasoning-gym task names, e.g. chain_sum,leg_counting",
+    )
+    r.add_argument("--size", type=int, default=2000, help="training rows, over the tasks in proportion to --weights")
+    r.add_argument("--test-size", type=int, default=100, help="held-out rows of each task")
+    r.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
+    r.add_argument("--out", default="data/reasoning_gym", help="directory to write train.parquet and test.parquet to")
+    r.add_argument("--weights", help="W[,W...]: one weight per --task (default: equal)")
+    r.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME.key=value",
+        help="a task's config value (JSON, else text), e.g. chain_sum.max_terms=3; repeat for several",
+    )
+    r.add_argument(
+        "--system-prompt",
+        default="default",
+        help="reasoning-gym's system prompt asking for <answer>...</answer>: default, direct, simple, DeepSeekZero, "
+        "chain_of_draft; or none (the question alone)",
+    )
+    r.add_argument("--shots", type=int, default=0, help="worked examples (question, <answer>answer</answer>) first")
+    r.add_argument("--level", type=int, help="each task at this level of reasoning-gym's curriculum (--curriculum)")
     args = parser.parse_args(argv)
 
     if args.task == "gsm8k":
@@ -394,6 +432,14 @@ def main(argv=None):
         write_products(args.out, args.seed, args.train_size, args.test_size, args.instruction, args.shots)
     elif args.task == "multiply":
         write_multiply(args.out, args.seed, args.low, args.high, args.test_pairs)
+    if args.task == "reasoning-gym":
+        try:
+            weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+            tasks = [t for t in args.task_names.split(",") if t]
+            how = dict(configs=args.config, prompt=args.system_prompt, level=args.level, shots=args.shots)
+            write_reasoning_gym(args.out, tasks, args.size, args.test_size, args.seed, weights, **how)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from tasks.digits import DIGITS_SOURCE, digits_score
 from tasks.gsm8k import GSM8K_SOURCE, gsm8k_score
 from tasks.math import MATH_SOURCES, math_score
 from tasks.multiply import MULTIPLY_SOURCE, multiply_score
+from tasks.reasoning_gym import PREFIX as RGYM_PREFIX
+from tasks.reasoning_gym import is_rgym_source, rgym_score
 from user_errors import RewardError, describe, safe_repr
 
 # ----------------------------------------------------------------------------------------------
@@ -37,7 +39,8 @@ from user_errors import RewardError, describe, safe_repr
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """The built-in reward for a row's data_source: a float, or for MATH a dict {"score", "pred"}
-    (verl's reward functions return either). Unknown sources are an error, not a 0."""
+    (verl's reward functions return either). Unknown sources are an error, not a 0. reasoning-gym's
+    tasks ("reasoning_gym/NAME") are scored by their own verifier, from the row's extra_info."""
     if data_source == GSM8K_SOURCE:
         return gsm8k_score(solution_str, ground_truth)
     if data_source == DIGITS_SOURCE:
@@ -46,13 +49,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return multiply_score(solution_str, ground_truth)
     if data_source in MATH_SOURCES:
         return math_score(solution_str, ground_truth)
+    if is_rgym_source(data_source):
+        return rgym_score(data_source, solution_str, extra_info)
     raise ValueError(
-        f"no built-in reward for data_source {data_source!r}; built-in sources: {sorted(BUILTIN_SOURCES)}. "
+        f"no built-in reward for data_source {data_source!r}; built-in sources: {sorted(BUILTIN_SOURCES)} "
+        f"and {RGYM_PREFIX}<task> for reasoning-gym's tasks. "
         "For other data, pass a reward file: --reward-fn path/to/file.py:function_name"
     )
 
 
-BUILTIN_SOURCES = {GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE} | MATH_SOURCES
+class Sources(frozenset):
+    """The built-in data_sources: these, and "reasoning_gym/NAME" for every reasoning-gym task NAME."""
+
+    def __contains__(self, data_source):
+        return super().__contains__(data_source) or is_rgym_source(data_source)
+
+
+BUILTIN_SOURCES = Sources({GSM8K_SOURCE, DIGITS_SOURCE, MULTIPLY_SOURCE} | MATH_SOURCES)
 
 # ----------------------------------------------------------------------------------------------
 # Custom reward functions

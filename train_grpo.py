@@ -44,6 +44,7 @@ from advantage import compute_advantages
 from async_rollout import staleness_metrics
 from cli import parse_args
 from config import Args, loggers
+from curriculum import Curriculum
 from distributed import (
     all_sum,
     all_sum_tensor,
@@ -296,9 +297,7 @@ def main():
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(bands.parse_bands(args.health_bands), total_steps, config)
     log = RunLog(args.out_dir, config, loggers(args), monitor, rank, args.wandb_project, args.wandb_run_name)
-    checkpointer = (
-        checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None
-    )
+    checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None  # fmt: skip
     save = partial(checkpoint.save_run, checkpointer,  # save(step): all a run needs to go on exactly after `step`
                    args=args, train_rows=train_rows, policy=policy, config=config, optimizer=optimizer,
                    scheduler=scheduler, log=log, tokenizer=tokenizer, ahead=source, fingerprint=fingerprint)  # fmt: skip
@@ -308,6 +307,7 @@ def main():
             resume_from, policy, optimizer, scheduler, args=args, fingerprints=fingerprint
         )
         source.load(saved_rollouts)
+    levels = Curriculum(args, train_rows, val_rows, tokenizer, history)  # --curriculum: each task's level, as it was
     source.start(start_step)
     if resume_from:
         source.publish(policy, version=start_step)
@@ -379,6 +379,7 @@ def main():
             with timed(timing, "testing"):
                 metrics.update(source.validation(step, log))
             metrics["timing_s/testing"] = timing["testing"]
+        metrics.update(levels.step(step, metrics))  # after a validation, a task at the threshold goes up a level
         histograms = {"critic/score": ro.scores, "critic/advantages": adv_values.tolist()}
         log.log(step, metrics, histograms | {"response_length": mask.sum(-1).tolist()})
         if any(k.startswith("val-") for k in metrics):

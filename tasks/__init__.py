@@ -7,5 +7,6 @@ row's data_source), so that adding a task is adding one file.
     gsm8k.py     GSM8K: the number after "####"
     math.py      MATH: the last \\boxed{} answer, compared as mathematics by math-verify
                  (in its own process: math_verify_worker.py)
+    reasoning_gym.py  reasoning-gym's ~100 procedural tasks, scored by their own verifiers
     common.py    what the data writers share: reading jsonl, writing parquet
 """

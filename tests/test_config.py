@@ -197,6 +197,12 @@ BAD = [
     (["--no-reward"], "--no-reward (pure distillation) needs --teacher DIR"),
     (["--teacher", "t", "--no-reward", "--distill-coef", "0"], "--no-reward with --distill-coef 0 leaves no advantage"),
     (["--teacher", "self"], "--teacher self needs --teacher-prompt-key"),
+    (["--curriculum-threshold", "1.5"], "--curriculum-threshold must be in [0, 1], got 1.5"),
+    (["--curriculum", "--test-freq", "-1"], "--curriculum raises levels at validations: give --test-freq N >= 1"),
+    (
+        ["--curriculum", "--max-staleness", "1"],
+        "--curriculum replaces rows at validations: not with rollouts made ahead",
+    ),
     (
         ["--teacher", "t", "--teacher-prompt-key", "k", "--tools", "examples/tools/calculator.py"],
         "--teacher-prompt-key with --tools",
@@ -406,6 +412,19 @@ def good_flag_sets(tmp):
             ],
             1,
         ),  # README's SmolLM2 example
+        (
+            [
+                "--model",
+                str(tmp),
+                *data,
+                *"--prompt-batch-size 8 --mini-batch-size 8 --group-size 8 --max-prompt-length 256 --max-response-length 32 --kl-coef 0 --lr 2e-5 --test-freq 5 --dtype auto".split(),
+            ],
+            1,
+        ),  # README's reasoning-gym example
+        (
+            [*data, "--curriculum", "--curriculum-threshold", "0", "--test-freq", "1", "--rollout", "hf"],
+            2,
+        ),  # test_curriculum
         (
             [f"--{k.replace('_', '-')}={v}" for k, v in bench.items()]
             + ["--no-val-before-train", "--no-save-model", "--no-engine-logprobs"],
