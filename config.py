@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from bands import parse_bands
-from flag_rules import distill_rules, placement_rules, reward_rules, timeout_rules
+from flag_rules import curriculum_rules, distill_rules, placement_rules, reward_rules, timeout_rules
 
 
 def rule(default, must_be, ok, loss_mode=None):
@@ -358,11 +358,7 @@ def check_args(args, world=1, cuda=None):
         *[(a.tools or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --tools") for n in TOOL_SETTINGS],
         *[(a.teacher or getattr(a, n) == getattr(Args, n), f"{flag(n)} needs --teacher DIR") for n in DISTILL_SETTINGS],
         *distill_rules(a),
-        (not a.curriculum or a.test_freq > 0, "--curriculum raises levels at validations: give --test-freq N >= 1"),
-        (
-            not a.curriculum or a.max_staleness + a.rollout_ranks == 0,
-            "--curriculum replaces rows at validations: not with rollouts made ahead (--max-staleness, --rollout-ranks)",
-        ),
+        *curriculum_rules(a),
         # ---- between flags (and a list that must not be empty)
         (a.min_lr_ratio == 0 or a.lr_schedule == "cosine", "--min-lr-ratio is only used by --lr-schedule cosine"),
         (a.tis_cap == 0 or a.engine_logprobs, "--tis-cap needs the engine's log-probs; drop --no-engine-logprobs"),

@@ -130,3 +130,15 @@ def distill_rules(a):
             "loss, with no ratio to clip: drop --distill-clip, or use --distill-loss k1",
         ),
     ]
+
+
+def curriculum_rules(a):
+    """config.check_args' rules for --curriculum (curriculum.py): levels rise at validations, and the rows it
+    replaces must not be in rollouts made ahead."""
+    return [
+        (not a.curriculum or a.test_freq > 0, "--curriculum raises levels at validations: give --test-freq N >= 1"),
+        (
+            not a.curriculum or a.max_staleness + a.rollout_ranks == 0,
+            "--curriculum replaces rows at validations: not with rollouts made ahead (--max-staleness, --rollout-ranks)",
+        ),
+    ]
