@@ -295,7 +295,7 @@ def test_tool_tokens_get_no_gradient(tmp_path):
     args = SimpleNamespace(
         tis_cap=0, loss_scale_factor=0, max_response_length=16, clip_low=0.2, clip_high=0.2, clip_c=3.0,
         loss_mode="vanilla", tau_pos=1.0, tau_neg=1.05, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
-        kl_cov_ratio=2e-4, ppo_kl_coef=0.1, kl_kind="low_var_kl", kl_coef=0.1, entropy_coef=0.01,
+        kl_cov_ratio=2e-4, ppo_kl_coef=0.1, kl_kind="low_var_kl", kl_coef=0.1, entropy_coef=0.01, teacher="",
     )  # fmt: skip
 
     def gradients(noise):
