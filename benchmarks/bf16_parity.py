@@ -16,7 +16,12 @@ import argparse
 import os
 import statistics
 
-from common import held_out_curve, read_metrics, run_smollm2  # README's SmolLM2 command, as lora_smollm2.py runs it
+from common import (  # README's SmolLM2 command, as lora_smollm2.py runs it
+    held_out_curve,
+    read_metrics,
+    run_smollm2,
+    save_plot,
+)
 
 DTYPES = ("fp32", "bf16")
 
@@ -40,13 +45,8 @@ def plot(curves, rows, path):
     left.set(xlabel="training time (min)", ylabel="held-out greedy accuracy", title="held-out (46 questions)")
     right.set(xlabel="step", ylabel="mean reward", title="train reward (64 samples a step)")
     for ax in (left, right):
-        ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("SmolLM2-135M-Instruct on multiply, README's command: fp32 against bf16")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_plot(fig, (left, right), "SmolLM2-135M-Instruct on multiply, README's command: fp32 against bf16", path)
 
 
 def main():

@@ -10,10 +10,9 @@ time, and the train reward against the step.
 """
 
 import argparse
-import os
 import statistics
 
-from common import read_metrics
+from common import read_metrics, save_plot
 
 PREFIX = "val-core/reasoning_gym/"
 
@@ -44,13 +43,7 @@ def plot(points, rows, path, title):
     left.set(xlabel="training time (min)", ylabel="held-out greedy accuracy", title="held-out accuracy")
     right.set(xlabel="step", ylabel="mean reward", title="train reward (64 samples a step)")
     left.legend()
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_plot(fig, (left, right), title, path)
 
 
 def main():
