@@ -50,6 +50,7 @@ class RolloutsAhead:
     def __init__(self, max_staleness, total_steps):
         self.max_staleness, self.total_steps, self.ready = max_staleness, total_steps, {}
         self.receive = None  # with rollout ranks: receive(j) -> step j's rollout, from them
+        self.staleness = {}  # rollout/staleness/* of the step taken last
 
     def take(self, step, generate):
         """Step `step`'s rollout. The engine holds version step - 1: first it generates (generate(j) ->
@@ -65,6 +66,7 @@ class RolloutsAhead:
             ro = generate(j)
             ro.versions = [version] * len(ro.response_ids)
             self.ready[j] = ro
+        self.staleness = staleness_metrics(self.ready[step].versions, step, self.max_staleness)  # raises if too old
         return self.ready[step]
 
     def receive_step(self, step, receive):
@@ -74,6 +76,7 @@ class RolloutsAhead:
         self.receive = receive  # state() takes the steps made ahead from them too
         if step not in self.ready:
             self.ready[step] = receive(step)
+        self.staleness = staleness_metrics(self.ready[step].versions, step, self.max_staleness)  # raises if too old
         return self.ready[step]
 
     def state(self, done):

@@ -210,18 +210,21 @@ def score_responses(
             if errors == "raise" and results[-1][2] is not None:
                 break
     scores, extras, failed, not_finite = [], {}, [], []
+
+    def said(i):  # the sample, for messages
+        return f"reward function {name}, {sample_place(where, indices[i])} (data_source={safe_repr(samples[i][0])})"
+
     for i, (value, sample_extras, problem) in enumerate(results):
-        said = f"reward function {name}, {sample_place(where, indices[i])} (data_source={safe_repr(samples[i][0])})"
         if problem is not None:
             if errors == "raise":
                 raise RewardError(
-                    f"{said}: {problem}. To score such samples 0 and count them, pass --reward-errors skip"
+                    f"{said(i)}: {problem}. To score such samples 0 and count them, pass --reward-errors skip"
                 )
             value, sample_extras = 0.0, {}
-            failed.append(f"{said}: {problem}")
+            failed.append(f"{said(i)}: {problem}")
         for key, v in sample_extras.items():
             if isinstance(v, (int, float)) and not is_finite(v):
-                not_finite.append(f"{said}: {key!r} = {safe_repr(v)}")
+                not_finite.append(f"{said(i)}: {key!r} = {safe_repr(v)}")
                 v = None
             elif v is not None and not isinstance(v, (int, float, str)):
                 warnings.warn(
@@ -273,16 +276,18 @@ def score_rows(
     The row itself is never changed: a prompt's n samples share one row (the next sample must not see
     this one's tokens), and rows are reused every epoch.
     """
-    infos = sample_infos(rows, response_ids, truncated, conversations)
-    return score_responses(
-        reward_fn,
-        [r["data_source"] for r in rows],
-        texts,
-        [r["reward_model"]["ground_truth"] for r in rows],
-        infos,
+    inputs = row_inputs(rows, texts, first, response_ids, truncated, conversations)
+    return score_responses(reward_fn, **inputs, errors=errors, where=where)
+
+
+def row_inputs(rows, texts, first=0, response_ids=None, truncated=None, conversations=None):
+    """score_responses' inputs for rows of verl's schema and one response text each (score_rows)."""
+    return dict(
+        data_sources=[r["data_source"] for r in rows],
+        responses=texts,
+        ground_truths=[r["reward_model"]["ground_truth"] for r in rows],
+        extra_infos=sample_infos(rows, response_ids, truncated, conversations),
         indices=range(first, first + len(rows)),
-        errors=errors,
-        where=where,
     )
 
 

@@ -19,9 +19,9 @@ import reward_model
 from distributed import all_gather
 from engine import Rollout
 from memory import free_memory_gib
-from reward import overlong_penalty, response_text
+from reward import overlong_penalty, response_text, row_inputs, score_responses
 from run_log import timed
-from trl_rewards import score_rows
+from trl_rewards import is_trl, score_rows
 
 
 def make_engine(kind, model_path, *, verbose=False, **kwargs):
@@ -113,9 +113,14 @@ def score_samples(reward, samples, texts, out, *, first, args, device, where="",
     reward errors name the sample as "{where}, sample {first + i} of the batch" (reward.score_rows); TRL-style
     functions see `step` as trainer_state.global_step (trl_rewards.score_rows). Returns (scores, extras: the logged parts, one value per sample)."""
     reward_fn, rm = reward
-    kw = dict(response_ids=out.response_ids, truncated=out.truncated, errors=args.reward_errors, where=where, step=step)
-    kw["conversations"] = [t.conversation for t in out.turns] if out.turns else None
-    scores, extras = score_rows(reward_fn, samples, texts, first=first, **kw)
+    seen = dict(response_ids=out.response_ids, truncated=out.truncated)  # in extra_info (reward.score_rows)
+    seen["conversations"] = [t.conversation for t in out.turns] if out.turns else None
+    if is_trl(reward_fn):  # TRL-style functions: one call each for the batch (trl_rewards.py)
+        how = dict(errors=args.reward_errors, where=where, step=step)
+        scores, extras = score_rows(reward_fn, samples, texts, first, **seen, **how)
+    else:  # verl's: one call per sample, with verl's keyword arguments
+        inputs = row_inputs(samples, texts, first, **seen)
+        scores, extras = score_responses(reward_fn, **inputs, errors=args.reward_errors, where=where)
     if rm is not None:  # reward = rule + w x model, or w x model alone
         extras["rule"] = scores
         model, rm_tokenizer = rm
@@ -210,7 +215,11 @@ def collect_rollout(
             engine.wake_up()
             kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
             seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
-            out = generate(engine, rows, tools, n=n, max_new_tokens=args.max_response_length, seeds=seeds, **kw)
+            kw.update(n=n, seeds=seeds, max_new_tokens=args.max_response_length)
+            if tools is None:
+                out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
+            else:  # multi-turn conversations
+                out = generate(engine, rows, tools, **kw)
             engine.sleep()
         indices, rows, first, out = indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, n)
         with timed(timing, "reward"):

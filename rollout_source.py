@@ -3,7 +3,7 @@ placement it runs. A source has:
     take(step, timing) -> this rank's StepRollout of step `step`
     publish(policy, version)  the weights after `version` updates to whoever generates, checked there
     validation(step, log) -> the validation metrics of the policy after `step` updates
-    metrics(ro, staleness) -> the step's staleness and weight-sync metrics
+    metrics(ro) -> the step's staleness (async_rollout.staleness_metrics) and weight-sync metrics
     start(step), state(done), load(saved)  where it starts; what a checkpoint holds of it (the rollouts made ahead)
     close(early)
 Colocated: this rank's own engine (rollout.collect_rollout), with --max-staleness S the rollouts made up to
@@ -61,9 +61,12 @@ class Colocated:
     def take(self, step, timing):
         """Step `step`'s rollout, generating it (and with S >= 1 those up to step + S) if not held yet."""
         how = dict(args=self.args, rank=self.rank, world=self.world, reward=self.reward, device=self.device)
-        return self.ahead.take(
-            step, partial(collect_rollout, self.engine, self.train_rows, timing=timing, **how, **self.inputs)
-        )
+        make = partial(collect_rollout, self.engine, self.train_rows, timing=timing, **how, **self.inputs)
+        if self.args.max_staleness or self.ahead.ready:  # made ahead, or held by the checkpoint resumed
+            return self.ahead.take(step, make)
+        ro = make(step)  # the synchronous loop: the engine holds version step - 1
+        ro.versions = [step - 1] * len(ro.response_ids)
+        return ro
 
     def publish(self, policy, version):
         """The new weights into the engine, then a check that it serves them (weight_sync.py). An engine that
@@ -87,11 +90,11 @@ class Colocated:
             **self.inputs,
         )
 
-    def metrics(self, ro, staleness):
+    def metrics(self, ro):
         shared = {"rollout/weights_shared": 1.0} if getattr(self.engine, "shares_policy", False) else {}
         if not self.args.max_staleness:
             return shared
-        return shared | staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
+        return shared | self.ahead.staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
 
     def start(self, step):
         pass  # the engine is this rank's: nothing to tell
@@ -132,8 +135,10 @@ class RolloutRanks:
     def validation(self, step, log):
         return self.remote.validation(step, log=log)
 
-    def metrics(self, ro, staleness):  # the gap is the rollout ranks' check of the weights that made `ro`
-        return staleness | ({"rollout/weight_sync_gap": ro.weight_sync_gap} if ro.weight_sync_gap is not None else {})
+    def metrics(self, ro):  # the gap is the rollout ranks' check of the weights that made `ro`
+        return self.ahead.staleness | (
+            {"rollout/weight_sync_gap": ro.weight_sync_gap} if ro.weight_sync_gap is not None else {}
+        )
 
     def start(self, step):
         """The rollout ranks start from the step after the rollouts held, with step `step`'s weights."""

@@ -57,7 +57,8 @@ def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated
         )
     metrics["response_length/clip_ratio"] = float(np.mean(truncated))
     metrics["frac_reward_zero_std"] = zero_std_fraction(scores, group_size)
-    metrics.update(function_metrics([extras]))  # TRL's rewards/<name>/mean and /std, where it applied
+    if any(k.startswith("rewards/") for k in extras):  # TRL's: rewards/<name>/mean and /std, where each applied
+        metrics.update(function_metrics([extras]))
     for key, values in extras.items():
         numeric = [float(v) for v in values if isinstance(v, (int, float))]
         if key.startswith(TRL_KEYS[1]) and numeric:  # log_metric(name, value): under its own name

@@ -41,7 +41,6 @@ import run_dir
 import safe_write
 import startup
 from advantage import compute_advantages
-from async_rollout import staleness_metrics
 from cli import parse_args
 from config import Args, loggers
 from curriculum import Curriculum
@@ -330,8 +329,7 @@ def main():
 
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
         # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
-        ro = source.take(step, timing)
-        staleness = staleness_metrics(ro.versions, step, args.max_staleness)  # raises if any sample is too old
+        ro = source.take(step, timing)  # raises if any sample is older than --max-staleness allows
         checkpoint.crash_point("rollout", step)
         asked = stop_requested(device)
         if asked:  # the update has not started: abandon this step, as if it had never begun
@@ -372,14 +370,15 @@ def main():
         metrics = step_metrics(ro, engine_logp=batch["engine_logp"], timing=timing, args=args, device=device, **how)
         metrics["training/epoch"] = epoch
         metrics.update(ro.remote_metrics | distilled)  # the rollout ranks' times, overlapped; distill/*
-        metrics.update(source.metrics(ro, staleness))
+        metrics.update(source.metrics(ro))
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
             with timed(timing, "testing"):
                 metrics.update(source.validation(step, log))
             metrics["timing_s/testing"] = timing["testing"]
-        metrics.update(levels.step(step, metrics))  # after a validation, a task at the threshold goes up a level
+        if args.curriculum:  # after a validation, a task at the threshold goes up a level
+            metrics.update(levels.step(step, metrics))
         histograms = {"critic/score": ro.scores, "critic/advantages": adv_values.tolist()}
         log.log(step, metrics, histograms | {"response_length": mask.sum(-1).tolist()})
         if any(k.startswith("val-") for k in metrics):
