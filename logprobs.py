@@ -2,9 +2,9 @@
 straight from its final hidden states and LM head, without ever holding a batch's [B, T, V] logits.
 
 Shapes: B sequences, T response tokens, V vocabulary entries, H hidden size. Log-probabilities and
-entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses (policy.py);
-`logprobs_from_logits` and `entropy_from_logits` serve models whose head does more than a matmul,
-and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
+entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses on a real vocabulary
+(policy.fusable_head); `logprobs_from_logits` and `entropy_from_logits` serve small vocabularies, models
+whose head does more than a matmul, and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
 """
 
 import math
@@ -384,10 +384,15 @@ def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
     logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
     -> [B, T] nats, fp32 (fp64 for fp64 logits); labels [B, T, L] -> [B, T, L].
     Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
-    O(chunk * V), with or without autograd. Pass the sampling temperature so these log-probs
+    O(chunk * V), with or without autograd; positions that fit in one chunk (the demo's micro-batch)
+    take the formula as written. Pass the sampling temperature so these log-probs
     match the ones the rollout engine sampled with.
     """
-    return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
+    if logits.shape[:-1].numel() > chunk:  # the same numbers, a chunk at a time (_ChunkedTokenLogProb)
+        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # one chunk: as written
+    lse = torch.logsumexp(z, -1, keepdim=True)  # [B, T, 1]: log softmax(z)[y] = z[y] - logsumexp(z)
+    return z.gather(-1, labels) - lse if labels.dim() == 3 else (z.gather(-1, labels[..., None]) - lse).squeeze(-1)
 
 
 def entropy_from_logits(logits, chunk=1024, temperature=1.0):

@@ -1,11 +1,10 @@
 """The policy on the trainer's side: loading and FSDP2 sharding, batches of variable-length
 sequences, per-token log-probs, and getting the full weights out (to the engine, to disk).
 
-A batch lays each sequence out as [pad.. prompt | response ..pad]: prompts left-padded, responses
-right-padded, so that response token t of every row sits in the same column. Micro-batches are cut
-to the columns their rows use, and the LM head runs on the response positions only. With shared
-prompts, a GRPO group's n rows hold one prompt: the model runs it once and the n responses on top of
-its KV cache (_forward_responses).
+A batch lays each sequence out as [pad.. prompt | response ..pad]: prompts left-padded, responses right-padded,
+so that response token t of every row sits in the same column. Micro-batches are cut to the columns their rows
+use, and the LM head runs on the response positions only. With shared prompts, a GRPO group's n rows hold one
+prompt: the model runs it once and the n responses on top of its KV cache (_forward_responses).
 """
 
 import math
@@ -159,11 +158,14 @@ def response_logits(model, view, device):
     return combine_head_outputs([out.logits for out in _forward_responses(model, view, device)], view)
 
 
+FUSED_HEAD_MIN_VOCAB = 1024  # below it the logits are small, the plain path faster: benchmarks/head_crossover.py
+
+
 def fusable_head(model):
-    """The LM head, if it is a plain linear layer whose logits the model uses as they are (no bias,
-    no soft-capping, not wrapped by LoRA); else None."""
+    """The LM head, if the fused head runs in its place: a plain linear layer whose logits the model uses as they
+    are (no bias, no soft-capping, not wrapped by LoRA) with at least FUSED_HEAD_MIN_VOCAB rows; else None."""
     head = model.get_output_embeddings()
-    plain = type(head) is torch.nn.Linear and head.bias is None
+    plain = type(head) is torch.nn.Linear and head.bias is None and head.out_features >= FUSED_HEAD_MIN_VOCAB
     return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
 
 
@@ -173,11 +175,12 @@ def response_logprobs(model, view, device, temperature, entropy_grad=False, entr
 
         logp = log_softmax(z / T).gather(-1, responses)    entropy = -(softmax(z / T) * log_softmax(z / T)).sum(-1)
 
-    the sampling distribution's, as verl's actor computes them. A model whose head is more than one matmul takes
-    that path as written (response_logits). Others get the same numbers without the [b, r, V] logits: the model
-    calls head_logprobs_entropy in place of its LM head's forward, a block of tokens x vocabulary entries at a
-    time (run_head), and with shared prompts (view["group"] > 1) runs each prompt once under its n responses
-    (_forward_responses). Equal in value and gradient: tests/test_policy.py's fused-head and shared-prompt tests.
+    the sampling distribution's, as verl's actor computes them: as written (response_logits) for a small vocabulary
+    (the demo's) or a head that is more than one matmul. Others (fusable_head) get the same numbers without the
+    [b, r, V] logits: the model calls head_logprobs_entropy in place of its LM head's forward, a block of tokens x
+    vocabulary entries at a time (run_head). With shared prompts (view["group"] > 1) each prompt runs once under
+    its n responses (_forward_responses). Equal in value and gradient: tests/test_policy.py's fused-head and
+    shared-prompt tests.
     entropy=False skips the entropy (None), as the old and reference log-probs need; it carries a gradient only
     with entropy_grad (the loss's entropy bonus), otherwise it is logged only. extra_ids [b, r, K]
     (forward_kl_topk's teacher ids): the log-probs are [b, r, 1 + K], the ids' after the sampled token's."""

@@ -97,8 +97,10 @@ def test_the_teachers_top_k_pass_equals_the_full_softmax(tmp_path, fused, monkey
     V = model.config.vocab_size
     prompts, responses = [[1, 5, 6]] * 2 + [[1, 7]] * 2, [[8, 9, 4], [10], [11, 12], [5, 5, 5]]
     batch = make_batch(prompts, responses, pad_id=0, group=2)
+    monkeypatch.setattr(policy, "FUSED_HEAD_MIN_VOCAB", 0)  # the tiny model's 20-row head fuses too
     if not fused:
         monkeypatch.setattr(distill, "fusable_head", lambda model: None)
+    assert (distill.fusable_head(model) is not None) == fused
     how = dict(micro=2, max_tokens=0, temperature=0.9, device="cpu")
     logp, top_logp, top_ids = distill.teacher_topk(model, model, batch, k=5, vocab=V, **how)
     with torch.no_grad():
@@ -364,7 +366,14 @@ def test_a_killed_opd_run_resumes_exactly(whole, teacher, tmp_path):
 @pytest.mark.slow
 def test_the_student_as_its_own_teacher_adds_exactly_zero_and_pure_distillation_needs_no_ground_truth(tmp_path):
     """The teacher is --model's own directory, a second frozen copy (no --kl-coef): at step 1 its log-probs are
-    the student's exactly. --no-reward on rows without a reward_model: every advantage is then 0."""
+    the student's exactly. --no-reward on rows without a reward_model: every advantage is then 0. The model's
+    vocabulary is padded to policy.FUSED_HEAD_MIN_VOCAB words, so that both copies' heads run in the fused head,
+    as every real vocabulary's does: the model's own 20-row head, a small matmul, rounds differently in two FSDP2
+    copies of the same weights (2.4e-7 nats apart, measured)."""
+    from policy import FUSED_HEAD_MIN_VOCAB
+
+    words = TASK_WORDS + [f"w{i}" for i in range(FUSED_HEAD_MIN_VOCAB)]
+    model = build_tiny_model(str(tmp_path / "model"), words)
     data = tmp_path / "data"
     data_prep.main(["digits", "--out", str(data), "--train-size", "64", "--test-size", "16"])
     rows = pq.read_table(data / "train.parquet").drop(["reward_model"])
@@ -378,7 +387,8 @@ def test_the_student_as_its_own_teacher_adds_exactly_zero_and_pure_distillation_
         "--val-data",
         str(data / "test.parquet"),
     ]
-    train(tmp_path / "run", *flags, "--no-reward", "--teacher", str(tmp_path / "run" / "tiny_model"))
+    flags += ["--model", model, "--max-prompt-length", "32", "--max-response-length", "4"]  # the demo's lengths
+    train(tmp_path / "run", *flags, "--no-reward", "--teacher", model)
     step1 = metrics(tmp_path / "run")[1]
     assert step1["distill/reverse_kl/mean"] == step1["distill/reverse_kl/max"] == 0.0
     assert step1["critic/advantages/max"] == step1["critic/advantages/min"] == 0.0 and step1["critic/score/mean"] == 0

@@ -58,6 +58,25 @@ def close_in_fp32(got, want, name):
     assert (got - want).abs().max().item() <= tolerance, (name, (got - want).abs().max().item(), tolerance)
 
 
+@pytest.fixture
+def fuse_small_heads(monkeypatch):
+    """The fused head on the tiny model's 20-row head too (by default a vocabulary that small takes the plain path)."""
+    monkeypatch.setattr(policy, "FUSED_HEAD_MIN_VOCAB", 0)
+
+
+def test_a_small_vocabulary_takes_the_plain_path_and_a_real_one_the_fused_head():
+    """fusable_head: None under FUSED_HEAD_MIN_VOCAB rows (the demo's 20: the logits are small and the plain path is
+    faster there, benchmarks/head_crossover.py), the head itself from there on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for vocab, fused in ((20, False), (policy.FUSED_HEAD_MIN_VOCAB - 1, False), (policy.FUSED_HEAD_MIN_VOCAB, True)):
+        config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        assert (policy.fusable_head(model) is model.lm_head) == fused, vocab
+
+
+@pytest.mark.usefixtures("fuse_small_heads")
 @pytest.mark.parametrize("tied", [True, False])
 def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_path, tied):
     """response_logprobs runs the LM head and the softmax together (the model calls our function in
@@ -113,6 +132,7 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
         assert policy.fusable_head(model) is None
 
 
+@pytest.mark.usefixtures("fuse_small_heads")
 def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(tmp_path):
     """With shared prompts (make_batch(group=n)) each group's prompt runs once, the n responses on
     top of its KV cache. Against one forward per full sequence: the same log-probs, entropies and
@@ -197,6 +217,8 @@ def fused_head_on_two_ranks(rank, port, model_dir, tied, results):
     if not tied:
         untie(model)
     policy.shard(model, init_device_mesh("cpu", (2,)))
+    policy.FUSED_HEAD_MIN_VOCAB = 0  # the tiny model's 20-row head too (this process's own policy module)
+    assert policy.fusable_head(model) is not None
     view, weights = grad_case(rows=[[0, 1], [2, 3]][rank])
     logp, entropy = policy.response_logprobs(model, view, CPU, temperature=0.8, entropy_grad=True)
     (2 * ((logp * weights + 0.1 * entropy) * view["response_mask"]).sum()).backward()
