@@ -12,14 +12,7 @@ from the two codebases can be compared directly.
 import torch
 
 from loss_agg import agg_loss, masked_mean
-from loss_variants import (
-    cispo_policy_loss,
-    clip_cov_policy_loss,
-    geo_mean_policy_loss,
-    gspo_policy_loss,
-    kl_cov_policy_loss,
-    sapo_policy_loss,
-)
+from loss_variants import LOSS_MODES, VARIANT_ARGS, variant_policy_loss  # noqa: F401  LOSS_MODES: config's choices
 
 # ----------------------------------------------------------------------------------------------
 # KL estimators
@@ -117,8 +110,6 @@ def distill_loss(logp, old_logp, view, mask, *, args, agg, norm_len, is_weights=
 # ----------------------------------------------------------------------------------------------
 # The clipped surrogate and its variants
 
-LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
-
 
 def policy_loss(
     logp,
@@ -132,18 +123,11 @@ def policy_loss(
     rollout_is_weights=None,
     norm_len=None,
     mode="vanilla",
-    tau_pos=1.0,
-    tau_neg=1.05,
-    clip_cov_ratio=2e-4,
-    clip_cov_lb=1.0,
-    clip_cov_ub=5.0,
-    kl_cov_ratio=2e-4,
-    ppo_kl_coef=0.1,
+    **variant,
 ):
     """PPO's clipped surrogate with dual clip, the GRPO policy-gradient loss. All inputs [B, T].
-    Any other `mode` (LOSS_MODES) computes that variant instead: gspo_policy_loss, cispo_policy_loss,
-    sapo_policy_loss, geo_mean_policy_loss, clip_cov_policy_loss, kl_cov_policy_loss (see each; they
-    take what they use of these arguments, and their own, named and defaulted as in verl).
+    Any other `mode` (LOSS_MODES) computes that variant instead (loss_variants.variant_policy_loss; `variant`:
+    their own arguments, VARIANT_ARGS, named and defaulted as in verl).
 
       ratio   = exp(clamp(logp - old_logp, -20, 20))
       l_clip  = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
@@ -159,23 +143,9 @@ def policy_loss(
       pg_clipfrac_lower  share of tokens with A < 0 where the dual clip bound applied
       ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || new))
     """
-    inputs, w = (logp, old_logp, advantages, mask), rollout_is_weights  # each variant's own arguments follow
-    if mode == "gspo":
-        return gspo_policy_loss(*inputs, clip_low, clip_high, w)
-    if mode == "cispo":
-        return cispo_policy_loss(*inputs, clip_low, clip_high, agg, w, norm_len)
-    if mode == "sapo":
-        return sapo_policy_loss(*inputs, tau_pos, tau_neg, w)
-    if mode == "geo_mean":
-        return geo_mean_policy_loss(*inputs, clip_low, clip_high, w)
-    if mode == "clip_cov":
-        return clip_cov_policy_loss(
-            *inputs, clip_low, clip_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, agg, w, norm_len
-        )
-    if mode == "kl_cov":
-        return kl_cov_policy_loss(*inputs, kl_cov_ratio, ppo_kl_coef, agg, w, norm_len)
     if mode != "vanilla":
-        raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
+        how = dict(clip_low=clip_low, clip_high=clip_high, agg=agg, rollout_is_weights=rollout_is_weights)
+        return variant_policy_loss(mode, logp, old_logp, advantages, mask, norm_len=norm_len, **how, **variant)
     if clip_c <= 1.0:
         raise ValueError(f"clip_c must be > 1.0 for the dual clip to bound anything, got {clip_c}")
     log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
@@ -225,25 +195,10 @@ def micro_batch_loss(logp, token_entropy, view, *, agg, args):
         is_weights = torch.exp(old - view["engine_logp"].to(device)).clamp(max=args.tis_cap) * m
     adv = view["advantages"].to(device)  # [b, r]
     norm_len = args.loss_scale_factor or args.max_response_length  # Dr. GRPO's constant, never the window's width
+    how = dict(clip_low=args.clip_low, clip_high=args.clip_high, clip_c=args.clip_c, agg=agg, norm_len=norm_len)
+    variant = {k: getattr(args, k) for k in VARIANT_ARGS}  # what the other --loss-mode's take (loss_variants.py)
     pg_loss, pg_metrics = policy_loss(
-        logp,
-        old,
-        adv,
-        m,
-        clip_low=args.clip_low,
-        clip_high=args.clip_high,
-        clip_c=args.clip_c,
-        agg=agg,
-        rollout_is_weights=is_weights,
-        norm_len=norm_len,
-        mode=args.loss_mode,
-        tau_pos=args.tau_pos,
-        tau_neg=args.tau_neg,
-        clip_cov_ratio=args.clip_cov_ratio,
-        clip_cov_lb=args.clip_cov_lb,
-        clip_cov_ub=args.clip_cov_ub,
-        kl_cov_ratio=args.kl_cov_ratio,
-        ppo_kl_coef=args.ppo_kl_coef,
+        logp, old, adv, m, rollout_is_weights=is_weights, mode=args.loss_mode, **how, **variant
     )
     loss, kl_loss, distilled = pg_loss, torch.zeros(()), {}
     if teacher_in_loss(args):  # --teacher with a --distill-loss of its own (else its term is in the advantages)
