@@ -2,12 +2,13 @@
 
     python benchmarks/distill_demo.py [--out-dir runs/distill_demo] [--steps 40] [--modes k1,forward_kl_topk]
 
-The teacher is the demo itself trained for --teacher-steps (100) steps (held-out 0.95 on seed 0, README); each
-student is a fresh demo model (the teacher's own initial weights) trained for --steps steps with the teacher
-beside the reward (--distill-coef 1; forward_kl_topk with --topk 8 of the demo's 20 words), one run per mode, one
-after the other on 1 rank. GRPO alone is the demo's command for the same steps. Prints the held-out greedy accuracy
-(val-core/synthetic/digits/reward/mean@1) every 10 steps, the step each first reaches 0.9, and the training time
-(the sum of timing_s/step). A run already finished in --out-dir is read, not rerun.
+The teacher is the demo itself trained for --teacher-steps (100) steps; each student is a fresh demo model (the
+teacher's own initial weights) trained for --steps steps with the teacher beside the reward (--distill-coef 1;
+forward_kl_topk with --topk 20, all of the demo's 20 words), one run per mode, one after the other on 1 rank, each with
+--student-flags (default: --lr 2e-3 --mini-batch-size 32, two updates a step: a dense teacher takes a larger step
+than a sparse reward). GRPO alone runs twice: the demo's command, and with the same --student-flags. Prints the
+held-out greedy accuracy (val-core/synthetic/digits/reward/mean@1) every 10 steps, the step each first reaches 0.9,
+and the training time (the sum of timing_s/step). A run already finished in --out-dir is read, not rerun.
 """
 
 import argparse
@@ -33,18 +34,22 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--teacher-steps", type=int, default=100)
     p.add_argument("--modes", default="k1,forward_kl_topk", help="comma-separated --distill-loss values")
-    p.add_argument("--topk", type=int, default=8, help="forward_kl_topk's --distill-topk (the demo has 20 words)")
+    p.add_argument("--topk", type=int, default=20, help="forward_kl_topk's --distill-topk (the demo has 20 words)")
+    p.add_argument(
+        "--student-flags", default="--lr 2e-3 --mini-batch-size 32", help="every student's, and GRPO's second run"
+    )
     a = p.parse_args()
     out = os.path.abspath(a.out_dir)
     run(os.path.join(out, "teacher"), ["--max-steps", str(a.teacher_steps)], "the teacher (the demo)")
     teacher = os.path.join(out, "teacher", "final_model")
-    runs = {"GRPO alone": []}
+    student = a.student_flags.split()
+    runs = {"GRPO alone": [], f"GRPO alone, {a.student_flags}": student}
     for m in a.modes.split(","):
         topk = ["--distill-topk", str(a.topk)] if m == "forward_kl_topk" else []
-        runs[f"--distill-loss {m}"] = ["--teacher", teacher, "--distill-loss", m, *topk]
+        runs[f"--distill-loss {m}"] = ["--teacher", teacher, "--distill-loss", m, *topk, *student]
     rows = []
     for name, flags in runs.items():
-        slug = name.replace("--distill-loss ", "").replace(" ", "_")
+        slug = name.replace("--distill-loss ", "").replace(" ", "_").replace(",", "").replace("-", "")
         metrics = run(os.path.join(out, slug), ["--max-steps", str(a.steps), *flags], name)
         curve = {r["step"]: r[METRIC] for r in metrics if METRIC in r}
         first = next((s for s, v in sorted(curve.items()) if v >= 0.9), None)
