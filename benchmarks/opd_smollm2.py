@@ -5,8 +5,9 @@
     python benchmarks/opd_smollm2.py --dry-run     # the tiny demo model, 2 steps each: the script's own check
 
 Runs README's SmolLM2 command on 1 rank (bf16 by default) three ways: pure OPD (--teacher, --no-reward), GRPO
-with the reward alone, and both (--teacher beside the reward); with --opsd a fourth, OPSD: the student's initial
-weights as the teacher, reading the question with its answer ("hint") as its prompt. Prints each run's
+with the reward alone, and both (--teacher beside the reward, the default k1 term); with --modes M1,M2 one more
+run per --distill-loss beside the reward ("both_M", e.g. --modes k3,forward_kl_topk); with --opsd, OPSD: the
+student's initial weights as the teacher, reading the question with its answer ("hint") as its prompt. Prints each run's
 held-out greedy accuracy against the training time so far (the sum of timing_s/step), the time each first
 reaches --target (0.8), and OPD's time over GRPO's; writes the curves to <out-dir>/opd_smollm2.png when
 matplotlib is installed. A run already finished in --out-dir is read, not rerun.
@@ -40,7 +41,10 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default="runs/opd_smollm2")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "auto"])
     parser.add_argument("--opsd", action="store_true", help="also run OPSD (the student, shown the answer)")
-    parser.add_argument("--only", default="", help="comma-separated runs to run (opd,grpo,both,opsd); empty: all")
+    parser.add_argument("--modes", default="", help="comma-separated --distill-loss values, each beside the reward")
+    parser.add_argument(
+        "--only", default="", help="comma-separated runs to run (opd,grpo,both,both_M,opsd); empty: all"
+    )
     parser.add_argument("--target", type=float, default=0.8, help="the held-out accuracy to time")
     parser.add_argument("--dry-run", action="store_true", help="the tiny demo model, 2 steps each")
     args = parser.parse_args(argv)
@@ -90,6 +94,8 @@ def runs(args, teacher, student, data):
         "grpo": common,
         "both": [*common, "--teacher", teacher],
     }
+    for mode in filter(None, args.modes.split(",")):
+        out[f"both_{mode}"] = [*common, "--teacher", teacher, "--distill-loss", mode]
     if args.opsd:
         hints = write_hints(data, os.path.join(args.out_dir, "data_opsd"))
         out["opsd"] = [*common, "--teacher", student, "--teacher-prompt-key", "hint", "--train-data", hints]

@@ -24,6 +24,21 @@ def test_it_needs_its_three_directories(capsys):
     assert "--teacher, --student and --data are required" in capsys.readouterr().err
 
 
+def test_each_mode_runs_beside_the_reward_with_its_own_distill_loss(tmp_path):
+    for d in ("t", "s", "d"):
+        os.makedirs(tmp_path / d)
+    args = opd_smollm2.parse_args(["--teacher", str(tmp_path / "t"), "--student", str(tmp_path / "s"),
+                                   "--data", str(tmp_path / "d"), "--modes", "k3,forward_kl_topk"])  # fmt: skip
+    made = opd_smollm2.runs(args, "T", "S", "D")
+    assert list(made) == ["opd", "grpo", "both", "both_k3", "both_forward_kl_topk"]
+    for mode in ("k3", "forward_kl_topk"):
+        flags = made[f"both_{mode}"]
+        assert flags[-4:] == ["--teacher", "T", "--distill-loss", mode] and "--no-reward" not in flags
+    assert "--distill-loss" not in made["both"]  # k1, the default
+    args.only = "grpo,both_k3"
+    assert list(opd_smollm2.runs(args, "T", "S", "D")) == ["grpo", "both_k3"]
+
+
 @pytest.mark.slow
 def test_dry_run(tmp_path, capsys):
     curves = opd_smollm2.main(["--dry-run", "--out-dir", str(tmp_path)])
