@@ -3,6 +3,8 @@
 dispatches to them. All inputs [B, T]; log-probabilities in nats; each states its formula.
 """
 
+import inspect
+
 import torch
 
 from loss_agg import SEQ_MEAN_AGG, agg_loss, masked_mean
@@ -269,41 +271,24 @@ LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_co
 VARIANT_ARGS = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 
 
-def variant_policy_loss(
-    mode,
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_low,
-    clip_high,
-    agg,
-    rollout_is_weights,
-    norm_len,
-    tau_pos=1.0,
-    tau_neg=1.05,
-    clip_cov_ratio=2e-4,
-    clip_cov_lb=1.0,
-    clip_cov_ub=5.0,
-    kl_cov_ratio=2e-4,
-    ppo_kl_coef=0.1,
-):
-    """loss.policy_loss for --loss-mode `mode`, one of LOSS_MODES but vanilla: each variant takes what it uses of
-    these arguments (see each function above)."""
-    inputs, w = (logp, old_logp, advantages, mask), rollout_is_weights
-    if mode == "gspo":
-        return gspo_policy_loss(*inputs, clip_low, clip_high, w)
-    if mode == "cispo":
-        return cispo_policy_loss(*inputs, clip_low, clip_high, agg, w, norm_len)
-    if mode == "sapo":
-        return sapo_policy_loss(*inputs, tau_pos, tau_neg, w)
-    if mode == "geo_mean":
-        return geo_mean_policy_loss(*inputs, clip_low, clip_high, w)
-    if mode == "clip_cov":
-        return clip_cov_policy_loss(
-            *inputs, clip_low, clip_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, agg, w, norm_len
-        )
-    if mode == "kl_cov":
-        return kl_cov_policy_loss(*inputs, kl_cov_ratio, ppo_kl_coef, agg, w, norm_len)
-    raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
+VARIANTS = {
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+    "sapo": sapo_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
+}
+SHARED_ARGS = ("clip_low", "clip_high", "agg", "rollout_is_weights", "norm_len")  # policy_loss's own, passed on
+
+
+def variant_policy_loss(mode, logp, old_logp, advantages, mask, **how):
+    """loss.policy_loss for --loss-mode `mode`, one of LOSS_MODES but vanilla. `how`: SHARED_ARGS and VARIANT_ARGS;
+    each variant takes those its signature names, and its own (verl's) defaults for the rest."""
+    if mode not in VARIANTS:
+        raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
+    if unknown := set(how) - set(SHARED_ARGS) - set(VARIANT_ARGS):
+        raise TypeError(f"policy_loss got unexpected arguments {sorted(unknown)}")
+    fn = VARIANTS[mode]
+    takes = inspect.signature(fn).parameters
+    return fn(logp, old_logp, advantages, mask, **{k: v for k, v in how.items() if k in takes})

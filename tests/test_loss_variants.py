@@ -273,3 +273,12 @@ def test_sequence_mean_variants_split_into_micro_batches_exactly(mode):
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown policy loss mode 'dppo_kl'; expected one of .*'kl_cov'"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), mode="dppo_kl")
+    x = (torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))
+    with pytest.raises(TypeError, match=r"unexpected arguments \['tau_postive'\]"):  # a misspelt variant argument
+        policy_loss(*x, mode="sapo", tau_postive=2.0)
+    # a variant gets the arguments it names: SAPO's tau_pos changes its loss; GSPO, which has none, ignores it
+    g = torch.Generator().manual_seed(0)
+    y = (0.1 * torch.randn(2, 3, generator=g), 0.1 * torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g))
+    y += (torch.ones(2, 3),)
+    assert policy_loss(*y, mode="sapo", tau_pos=2.0)[0] != policy_loss(*y, mode="sapo", tau_pos=1.0)[0]
+    assert policy_loss(*y, mode="gspo", tau_pos=2.0)[0] == policy_loss(*y, mode="gspo")[0]
