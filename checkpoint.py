@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 
 import torch
 import torch.distributed as dist
@@ -29,18 +28,13 @@ import lora
 import rng
 import safe_write
 from config import allowed_changes
+from distributed import crash_point
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def step_dir(out_dir, step):
     return os.path.join(out_dir, f"global_step_{step}")
-
-
-def crash_point(where, step):
-    """For the crash tests: GRPO_CRASH_AT=where:step makes this process kill itself (SIGKILL) there."""
-    if os.environ.get("GRPO_CRASH_AT") == f"{where}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -120,6 +120,12 @@ def stop_requested(device):
     return signal.Signals(int(asked.item())) if asked.item() else None
 
 
+def crash_point(where, step):
+    """For the crash tests: GRPO_CRASH_AT=where:step makes this process kill itself (SIGKILL) there."""
+    if os.environ.get("GRPO_CRASH_AT") == f"{where}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def print0(*a, **kw):
     """Print on rank 0 only (with --rollout-ranks: the trainers' rank 0)."""
     if int(os.environ.get("RANK", 0)) == 0 and "GRPO_ROLLOUT_SIDE" not in os.environ:

@@ -3,19 +3,10 @@ model's activations per token and checks that the update's largest micro-batch, 
 and optimizer states, fits in the memory this rank has free; if not, it says which flags fit (the
 same gradient in smaller pieces), instead of dying in the first update after a whole rollout."""
 
-import resource
-
 import torch
 
 from distributed import print0
 from policy import make_batch, response_logprobs, window
-
-
-def memory_gb(device):
-    """Peak memory of this process: the GPU's allocator on CUDA, the resident set on CPU (GiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def free_memory_gib(device, ranks_here):

@@ -311,7 +311,7 @@ def reshard(model):
 def full_parameters(model, dtype):
     """Yields (hf_name, full tensor) one parameter at a time: each rank all-gathers its shards, so
     the extra memory is one parameter, not a second model. With LoRA: the merged weights."""
-    if lora.is_lora(model):
+    if hasattr(model, "peft_config"):  # a PEFT model: LoRA (lora.is_lora)
         yield from lora.merged_parameters(model, dtype)
         return
     for name, param in model.named_parameters():

@@ -104,12 +104,25 @@ def task_effect(monitor, train, b):
     return out
 
 
+def at_last_level(key, series, train):
+    """With --curriculum, a task's validations at its last level only (a harder level starts lower, so the
+    trend is judged within one level), and the words that say so; else the series as it is."""
+    name = key.split("/")[2] if key.startswith("val-core/reasoning_gym/") else None
+    levels = {r["step"]: r[f"curriculum/{name}/level"] for r in train if f"curriculum/{name}/level" in r}
+    if not levels:
+        return series, ""
+    last, first = levels[max(levels)], levels[min(levels)]  # step 0's validation: the first level
+    kept = [(step, v) for step, v in series if levels.get(step, first) == last]
+    return kept or series[-1:], f", at curriculum level {last}"
+
+
 def validation(key, series, train, b):
     """The checks of one validation metric, from its [(step, value)] series."""
+    series, level = at_last_level(key, series, train)
     vals = np.array([v for _, v in series])
     first, final, best = vals[0], vals[-1], vals.max()
     best_step = series[int(vals.argmax())][0]
-    value = f"{final:.3f} at step {series[-1][0]} (first {first:.3f}, best {best:.3f} at step {best_step})"
+    value = f"{final:.3f} at step {series[-1][0]} (first {first:.3f}, best {best:.3f} at step {best_step}{level})"
     if not math.isnan(b.target):
         out = [(f"final `{key}`", value, "healthy" if final >= b.target else "problem", f">= target {b.target}")]
     else:

@@ -460,6 +460,11 @@ class RewardWorker(Worker):
         return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
 
 
+def is_trl(reward_fn):
+    """Whether TRL-style functions are among the reward functions (a RewardWorker whose info names them)."""
+    return isinstance(reward_fn, RewardWorker) and bool(getattr(reward_fn, "info", None))
+
+
 def load_rewards(setup):
     """The reward worker's loader (Worker): the reward function of (specs, weights), and its answer to a
     sample: ((score, extras), None) or (None, problem), as reward.score_one scores it."""

@@ -19,9 +19,9 @@ import reward_model
 from distributed import all_gather
 from engine import Rollout
 from memory import free_memory_gib
-from reward import overlong_penalty, response_text, row_inputs, score_responses
+from reward import is_trl, overlong_penalty, response_text, row_inputs, score_responses
 from run_log import timed
-from trl_rewards import is_trl, score_rows
+from trl_rewards import score_rows
 
 
 def make_engine(kind, model_path, *, verbose=False, **kwargs):

@@ -16,6 +16,7 @@ prompt's group of every training step (train.jsonl), and the first validation sa
 import json
 import math
 import os
+import resource
 import time
 from contextlib import contextmanager
 
@@ -25,12 +26,18 @@ import torch
 from advantage import zero_std_fraction
 from distributed import all_gather, all_sum, print0, reduce_metrics
 from health import FIRST_STEP
-from memory import memory_gb
 from multi_turn import turn_counts, turn_metrics
 from trl_rewards import function_metrics
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
+
+
+def memory_gb(device):
+    """Peak memory of this process: the GPU's allocator on CUDA, the resident set on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def rollout_metrics(scores, advantages, response_lengths, prompt_lens, truncated, extras, group_size, device=None):

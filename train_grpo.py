@@ -48,6 +48,7 @@ from distributed import (
     all_sum,
     all_sum_tensor,
     catch_stop_signals,
+    crash_point,
     full_tensor,
     init_distributed,
     print0,
@@ -168,7 +169,7 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
                     trainer_logp[mb, : old.shape[1]] = old.float().cpu()
                 piece = agg_denominator(view["response_mask"], agg)
                 (loss * (piece / max(whole, 1) * world)).backward()
-                checkpoint.crash_point("update", step)
+                crash_point("update", step)
                 stats.append(terms)
             grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)).item()
             if not math.isfinite(grad_norm):
@@ -330,7 +331,7 @@ def main():
         # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
         # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
         ro = source.take(step, timing)  # raises if any sample is older than --max-staleness allows
-        checkpoint.crash_point("rollout", step)
+        crash_point("rollout", step)
         asked = stop_requested(device)
         if asked:  # the update has not started: abandon this step, as if it had never begun
             rng.set_state(rng_before)

@@ -257,11 +257,6 @@ def log_into(logged, name, value):
 # The trainer's side
 
 
-def is_trl(reward_fn):
-    """Whether TRL-style functions are among the reward functions (a RewardWorker whose info names them)."""
-    return isinstance(reward_fn, reward.RewardWorker) and bool(getattr(reward_fn, "info", None))
-
-
 def score_rows(
     reward_fn,
     rows,
@@ -280,7 +275,7 @@ def score_rows(
     Returns (scores, extras) as reward.score_rows does, plus rewards/<name> (each function's values, None where
     it returned None), reward_unscored (1.0 where none applied), log_extra/<column> and log_metric/<name>
     (run_log.rollout_metrics reads them)."""
-    if not is_trl(reward_fn):
+    if not reward.is_trl(reward_fn):
         if rows and not all(c in rows[0] for c in VERL_COLUMNS):  # check_data says so at start-up
             name = getattr(reward_fn, "__name__", repr(reward_fn))
             columns = {k for r in rows for k in r if k not in NOT_COLUMNS}

@@ -159,7 +159,7 @@ def train(spec):
 
 
 def peak_memory_gib():
-    """The process's peak memory, as train_grpo.py reports it (memory.memory_gb): the GPU allocator's
+    """The process's peak memory, as train_grpo.py reports it (run_log.memory_gb): the GPU allocator's
     peak on CUDA, the resident set on CPU."""
     import torch
 

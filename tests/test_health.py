@@ -526,3 +526,20 @@ def test_a_run_with_no_finite_step_still_gets_its_report(tmp_path):
     assert verdicts(text)["grad norm (actor/grad_norm)"] == "problem"
     assert "not finite at 2 of 2 steps" in text
     assert counts["overall"] == "problem"
+
+
+def test_a_curriculum_tasks_validation_is_judged_at_its_last_level_only():
+    """A harder level starts lower: the fall at a level rise is not a falling trend (curriculum.py)."""
+    key = "val-core/reasoning_gym/chain_sum/reward/mean@1"
+    train = [step_row(s, **{"curriculum/chain_sum/level": 0 if s <= 10 else 1}) for s in range(1, 21)]
+    series = [(0, 0.1), (5, 0.5), (10, 0.8), (15, 0.3), (20, 0.5)]
+    checks = {
+        name: (value, verdict) for name, value, verdict, _ in report.validation(key, series, train, bands.Bands())
+    }
+    value, verdict = checks[f"final `{key}`"]
+    assert (
+        verdict == "healthy" and value == "0.500 at step 20 (first 0.300, best 0.500 at step 20, at curriculum level 1)"
+    )
+    assert checks["validation trend"] == ("0% below its best; longest run of falls: 0", "healthy")
+    plain = {name: verdict for name, _, verdict, _ in report.validation(VAL, series, train, bands.Bands())}
+    assert plain["validation trend"] == "problem"  # 0.5 is 38% below 0.8, with no level to explain it
