@@ -73,6 +73,8 @@ def parse_args(argv=None):
         for key, value in DEMO_OVERRIDES.items():
             if key not in given_flags(argv):
                 setattr(args, key, value)
+        if args.lr_schedule != "cosine" and "min_lr_ratio" not in given_flags(argv):  # the demo's floor is cosine's
+            args.min_lr_ratio = 0.0
     if args.grad_checkpointing and "share_prompts" not in given_flags(argv):  # checkpointed layers drop the KV cache
         args.share_prompts = False
     if args.max_staleness and "tis_cap" not in given_flags(argv):  # the decoupled loss's cap

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from common import print_table, read_metrics, write_json  # noqa: E402
+from common import DEMO_MEASURED, print_table, read_metrics, write_json  # noqa: E402
 
 METRIC = "val-core/synthetic/digits/reward/mean@1"
 
@@ -27,7 +27,18 @@ def run(run_dir, flags):
     if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and read_metrics(run_dir)[-1]["step"] == 200:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    cmd += ["--out-dir", run_dir, "--rollout", "vllm", "--save-freq", "-1", "--no-save-model", "--resume", "never"]
+    cmd += [
+        "--out-dir",
+        run_dir,
+        "--rollout",
+        "vllm",
+        "--save-freq",
+        "-1",
+        "--no-save-model",
+        "--resume",
+        "never",
+        *DEMO_MEASURED,
+    ]
     proc = subprocess.run(
         [*cmd, *flags], cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
     )

@@ -18,7 +18,7 @@ import statistics
 import sys
 
 import torch
-from common import REPO, matmul_params, matmul_rate, read_metrics, run_train_grpo
+from common import DEMO_MEASURED, REPO, matmul_params, matmul_rate, read_metrics, run_train_grpo
 
 sys.path.insert(0, REPO)
 from policy import native_bf16  # noqa: E402 (the repository's, not a package)
@@ -28,7 +28,7 @@ SETUPS = {
     "smollm2": "--model models/smollm2 --train-data data/multiply/train.parquet --val-data data/multiply/test.parquet "
     "--max-prompt-length 128 --max-response-length 32 --kl-coef 0 --lr 1e-5",
     "qwen-vocab": "--model {qwen} --max-prompt-length 64 --max-response-length 48 --kl-coef 0 --lr 1e-5",
-    "demo": "",
+    "demo": " ".join(DEMO_MEASURED),
 }
 GAP = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max", "training/rollout_logprob_diff_max")
 

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from common import REPO, read_metrics, run_train_grpo
+from common import DEMO_MEASURED, REPO, read_metrics, run_train_grpo
 
 METRIC = "val-core/synthetic/digits/reward/mean@1"
 
@@ -24,7 +24,7 @@ def run(out_dir, flags, what):
     """One demo run into out_dir unless it has finished there; returns its metrics."""
     if not os.path.isdir(os.path.join(out_dir, "final_model")):
         print(f"running {what} ...", flush=True)
-        run_train_grpo(["--out-dir", out_dir, *flags], what, cwd=REPO)
+        run_train_grpo(["--out-dir", out_dir, *DEMO_MEASURED, *flags], what, cwd=REPO)
     return read_metrics(out_dir)
 
 

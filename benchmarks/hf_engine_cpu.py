@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 
-from common import REPO, fresh_dir, print_table, run_process, write_json
+from common import DEMO_MEASURED, REPO, fresh_dir, print_table, run_process, write_json
 
 SETTINGS = {  # name: train_grpo.py's flags
     "shared": ["--rollout=hf"],  # the transformers engine on the policy's own weights
@@ -34,7 +34,8 @@ def main():
     p.add_argument("--json", default="")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which of them, comma-separated")
     args, extra = p.parse_known_args()  # anything else goes to train_grpo.py (e.g. --model, --train-data)
-    flags = [f"--max-steps={args.steps}", "--test-freq=-1", "--save-freq=-1", "--no-save-model", *extra]
+    demo = [] if "--model" in " ".join(extra) else DEMO_MEASURED  # the demo as it was measured
+    flags = [*demo, f"--max-steps={args.steps}", "--test-freq=-1", "--save-freq=-1", "--no-save-model", *extra]
     chosen = {name: SETTINGS[name] for name in args.settings.split(",")}
     times = {name: {k: [] for k in PHASES} for name in chosen}
     loads = {name: [] for name in chosen}

@@ -20,7 +20,7 @@ import run_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 short steps on the transformers engine (fast to start), a checkpoint after every step
-RUN = "--max-steps 4 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --test-freq 2 --val-max-prompts 16 --save-freq 1".split()
+RUN = "--max-steps 4 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --test-freq 2 --val-max-prompts 16 --save-freq 1 --lr-schedule constant".split()
 COMPARED = [*"critic/score/mean actor/pg_loss actor/grad_norm actor/entropy response_length/mean actor/lr".split()]
 
 
@@ -406,7 +406,7 @@ def test_a_finished_run_is_neither_rerun_nor_continued_with_other_flags(baseline
     )
     proc = attempt(run, "--lr", "1e-2", "--entropy-coef", "0")
     assert proc.returncode != 0 and "belongs to a run with other flags" in proc.stderr
-    assert "--lr: 0.0005 there, 0.01 now" in proc.stderr and "--entropy-coef: 0.01 there, 0.0 now" in proc.stderr
+    assert "--lr: 0.0003 there, 0.01 now" in proc.stderr and "--entropy-coef: 0.01 there, 0.0 now" in proc.stderr
     assert "--allow-changed lr,entropy_coef" in proc.stderr
     proc = attempt(run, "--resume", "never")
     assert proc.returncode != 0 and "already holds a run (metrics.jsonl, global_step_1" in proc.stderr
@@ -419,7 +419,7 @@ def test_a_finished_run_is_neither_rerun_nor_continued_with_other_flags(baseline
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     warmup = [(s + 1) / 6 for s in range(6)]  # the demo warms up over 5 steps
     assert [r["actor/lr"] for r in rows[1:]] == pytest.approx(
-        [5e-4 * w for w in warmup[:4]] + [1e-3 * warmup[4], 1e-3], rel=1e-12
+        [3e-4 * w for w in warmup[:4]] + [1e-3 * warmup[4], 1e-3], rel=1e-12
     )
     assert json.loads((run / "config.json").read_text())["lr"] == 1e-3
 

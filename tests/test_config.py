@@ -74,7 +74,10 @@ BAD = [
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     (["--lr-schedule", "cosine", "--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
-    (["--min-lr-ratio", "0.1"], "--min-lr-ratio is only used by --lr-schedule cosine"),
+    (
+        ["--lr-schedule", "constant", "--min-lr-ratio", "0.1"],
+        "--min-lr-ratio is only used by --lr-schedule cosine",
+    ),  # the demo is cosine
     (["--weight-decay", "-0.01"], "--weight-decay must be >= 0"),
     (["--grad-clip", "0"], "--grad-clip must be > 0"),
     (["--clip-low", "0"], "--clip-low must be in (0, 1)"),
@@ -559,3 +562,8 @@ def test_the_choices_of_a_flag_are_exactly_what_the_code_consumes():
     assert choices["kl_kind"] == tuple(loss.KL_KINDS)
     assert set(choices["distill_loss"]) == set(loss.DISTILL_LOSSES)
     assert choices["adv_estimator"] == advantage.ADV_ESTIMATORS
+    # the demo's cosine floor goes with its schedule: another schedule, chosen on the command line, takes none
+    assert (demo.lr_schedule, demo.min_lr_ratio) == ("cosine", config.DEMO_OVERRIDES["min_lr_ratio"])
+    constant = cli.parse_args(["--lr-schedule", "constant"])
+    assert (constant.lr_schedule, constant.min_lr_ratio) == ("constant", 0.0)
+    assert cli.parse_args(["--min-lr-ratio", "0.2"]).min_lr_ratio == 0.2

@@ -104,7 +104,7 @@ def test_a_run_writes_config_metrics_samples_and_model(vllm_runs):
     assert " INFO " not in log_text and "Reloading and processing weights" not in log_text
     assert "RotaryEmbedding: Failed to load weights" not in log_text and "prefix cache" not in log_text
     config = json.load(open(run / "config.json"))
-    assert config["max_steps"] == 2 and config["lr"] == 5e-4  # the demo's override, recorded
+    assert config["max_steps"] == 2 and config["lr"] == 3e-4  # the demo's override, recorded
     assert (run / "samples" / "val_step_2.jsonl").exists() and (run / "samples" / "train.jsonl").exists()
     # the health report closes every run; two steps of a random policy are judged as such
     assert f"health report: {run / 'report' / 'report.md'}:" in log_text
@@ -211,7 +211,7 @@ def test_transformers_engine_off_policy_with_reference_on_two_ranks_wandb_and_te
     assert rows[2]["actor/kl_loss"] > 0  # after one update the policy differs from the reference
     assert rows[1]["training/rollout_logprob_diff_max"] <= 1e-4
     # cosine from the peak towards 10% of it over 2 steps: step 2 is halfway, 0.1 + 0.9 * (1 + cos(pi/2)) / 2
-    assert rows[1]["actor/lr"] == pytest.approx(5e-4) and rows[2]["actor/lr"] == pytest.approx(5e-4 * 0.55)
+    assert rows[1]["actor/lr"] == pytest.approx(3e-4) and rows[2]["actor/lr"] == pytest.approx(3e-4 * 0.55)
     assert rows[1]["perf/total_num_tokens"] == rows[1]["prompt_length/mean"] * 32 + rows[1]["response_length/mean"] * 32
     # TensorBoard, read back from its event files: every scalar under metrics.jsonl's name, with its
     # value; histograms of both ranks' 32 samples; the config and the validation samples as text
