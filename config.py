@@ -324,9 +324,9 @@ class Args:
 
 # The demo (model "tiny") learns from scratch, which needs far larger steps than fine-tuning a
 # pretrained model. These replace the defaults above unless given on the command line.
-DEMO_OVERRIDES = dict(lr=3e-4, warmup_steps=5, prompt_batch_size=64, group_size=16, mini_batch_size=64, micro_batch_size=128)
+DEMO_OVERRIDES = dict(lr=3e-4, warmup_steps=5, prompt_batch_size=64, mini_batch_size=64, micro_batch_size=128)
 DEMO_OVERRIDES.update(max_prompt_length=32, max_response_length=4, kl_coef=0.0, weight_decay=0.0, entropy_coef=0.01)
-DEMO_OVERRIDES.update(lr_schedule="cosine", min_lr_ratio=0.1, max_steps=150, test_freq=10)
+DEMO_OVERRIDES.update(group_size=16, lr_schedule="cosine", min_lr_ratio=0.1, max_steps=150, test_freq=10)
 
 
 def check_args(args, world=1, cuda=None):

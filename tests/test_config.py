@@ -521,6 +521,11 @@ def test_demo_overrides_apply_only_to_the_tiny_model_and_yield_to_flags():
     assert cli.parse_args(["--lr", "1e-3"]).lr == 1e-3
     real = cli.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
     assert real.lr == 1e-6 and real.kl_coef == 0.001 and real.loss_agg == "token-mean" and real.clip_low == 0.2
+    # the demo's cosine floor goes with its schedule: another schedule, chosen on the command line, takes none
+    assert (demo.lr_schedule, demo.min_lr_ratio) == ("cosine", config.DEMO_OVERRIDES["min_lr_ratio"])
+    constant = cli.parse_args(["--lr-schedule", "constant"])
+    assert (constant.lr_schedule, constant.min_lr_ratio) == ("constant", 0.0)
+    assert cli.parse_args(["--min-lr-ratio", "0.2"]).min_lr_ratio == 0.2
 
 
 def test_grad_checkpointing_turns_shared_prompts_off_unless_asked_for(monkeypatch):
@@ -562,8 +567,3 @@ def test_the_choices_of_a_flag_are_exactly_what_the_code_consumes():
     assert choices["kl_kind"] == tuple(loss.KL_KINDS)
     assert set(choices["distill_loss"]) == set(loss.DISTILL_LOSSES)
     assert choices["adv_estimator"] == advantage.ADV_ESTIMATORS
-    # the demo's cosine floor goes with its schedule: another schedule, chosen on the command line, takes none
-    assert (demo.lr_schedule, demo.min_lr_ratio) == ("cosine", config.DEMO_OVERRIDES["min_lr_ratio"])
-    constant = cli.parse_args(["--lr-schedule", "constant"])
-    assert (constant.lr_schedule, constant.min_lr_ratio) == ("constant", 0.0)
-    assert cli.parse_args(["--min-lr-ratio", "0.2"]).min_lr_ratio == 0.2
