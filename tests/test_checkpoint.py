@@ -191,7 +191,7 @@ def test_killed_lora_run_resumes_exactly_and_only_on_its_own_base(tmp_path):
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     from config import DEMO_OVERRIDES  # the run's flags, but for the model
 
-    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
+    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items() if k != "min_lr_ratio"]  # RUN: constant
     proc = attempt(tmp_path / "killed", *demo, *RUN, *lora, "--model", str(other))
     assert proc.returncode != 0 and "trained on other base weights" in proc.stderr, proc.stderr[-3000:]
     train(tmp_path / "killed", *lora)
@@ -264,7 +264,7 @@ def test_incompatible_model_is_a_clear_error_and_never_starts_fresh(baselines, t
     other = build_tiny_model(str(tmp_path / "other_model"), TASK_WORDS, layers=3)
     from config import DEMO_OVERRIDES  # the run's flags, but for the model
 
-    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items()]
+    demo = [f"--{k.replace('_', '-')}={v}" for k, v in DEMO_OVERRIDES.items() if k != "min_lr_ratio"]  # RUN: constant
     extended = ["--max-steps", "6"]  # a finished run would end before loading anything
     cmd = [
         sys.executable,
