@@ -105,15 +105,15 @@ def task_effect(monitor, train, b):
 
 
 def at_last_level(key, series, train):
-    """With --curriculum, a task's validations at its last level only (a harder level starts lower, so the
-    trend is judged within one level), and the words that say so; else the series as it is."""
+    """With --curriculum, a task's validations at the level of its last one only (a harder level starts lower, so
+    the trend is judged within one level), and the words that say so; else the series as it is."""
     name = key.split("/")[2] if key.startswith("val-core/reasoning_gym/") else None
     levels = {r["step"]: r[f"curriculum/{name}/level"] for r in train if f"curriculum/{name}/level" in r}
     if not levels:
         return series, ""
-    last, first = levels[max(levels)], levels[min(levels)]  # step 0's validation: the first level
-    kept = [(step, v) for step, v in series if levels.get(step, first) == last]
-    return kept or series[-1:], f", at curriculum level {last}"
+    first = levels[min(levels)]  # step 0's validation, before any step: the first level
+    last = levels.get(series[-1][0], first)
+    return [(step, v) for step, v in series if levels.get(step, first) == last], f", at curriculum level {last}"
 
 
 def validation(key, series, train, b):

@@ -27,20 +27,13 @@ def run(run_dir, flags):
     if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and read_metrics(run_dir)[-1]["step"] == 200:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
-    cmd += [
-        "--out-dir",
-        run_dir,
-        "--rollout",
-        "vllm",
-        "--save-freq",
-        "-1",
-        "--no-save-model",
-        "--resume",
-        "never",
-        *DEMO_MEASURED,
-    ]
+    cmd += ["--out-dir", run_dir, "--rollout", "vllm", "--save-freq", "-1", "--no-save-model", "--resume", "never"]
     proc = subprocess.run(
-        [*cmd, *flags], cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        [*cmd, *DEMO_MEASURED, *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir} failed:\n{proc.stderr[-4000:]}")

@@ -34,7 +34,7 @@ def main():
     p.add_argument("--json", default="")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which of them, comma-separated")
     args, extra = p.parse_known_args()  # anything else goes to train_grpo.py (e.g. --model, --train-data)
-    demo = [] if "--model" in " ".join(extra) else DEMO_MEASURED  # the demo as it was measured
+    demo = [] if any(a.split("=")[0] == "--model" for a in extra) else DEMO_MEASURED  # the demo as it was measured
     flags = [*demo, f"--max-steps={args.steps}", "--test-freq=-1", "--save-freq=-1", "--no-save-model", *extra]
     chosen = {name: SETTINGS[name] for name in args.settings.split(",")}
     times = {name: {k: [] for k in PHASES} for name in chosen}

@@ -3,8 +3,8 @@
     python benchmarks/recipes_demo.py [--out-dir runs/recipes] [--only grpo,dapo]
 
 Each run is `torchrun --nproc_per_node=1 train_grpo.py` with the demo's defaults as they were measured
-(common.DEMO_MEASURED: lr 5e-4, 8 samples, 200 steps) and the recipe's flags. Printed per recipe: held-out greedy accuracy (val-core/synthetic/digits/reward/mean@1) at
-steps 20, 40 and 200, the first step that reaches 0.9, the training time to it (the sum of
+(common.DEMO_MEASURED: lr 5e-4, 8 samples, 200 steps) and the recipe's flags. Printed per recipe: held-out
+greedy accuracy (val-core/synthetic/digits/reward/mean@1) at steps 20, 40 and 200, the first step that reaches 0.9, the training time to it (the sum of
 timing_s/step, validation excluded), the prompts generated to it (dynamic sampling generates more
 than it trains on), and the whole command's wall time. Run it on an otherwise idle machine.
 """

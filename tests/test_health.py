@@ -541,5 +541,8 @@ def test_a_curriculum_tasks_validation_is_judged_at_its_last_level_only():
         verdict == "healthy" and value == "0.500 at step 20 (first 0.300, best 0.500 at step 20, at curriculum level 1)"
     )
     assert checks["validation trend"] == ("0% below its best; longest run of falls: 0", "healthy")
+    # no validation yet at the level the run ended on: judged at its last validation's level, and named so
+    risen = train + [step_row(21, **{"curriculum/chain_sum/level": 2})]
+    assert report.at_last_level(key, series[:3], risen) == (series[:3], ", at curriculum level 0")
     plain = {name: verdict for name, _, verdict, _ in report.validation(VAL, series, train, bands.Bands())}
     assert plain["validation trend"] == "problem"  # 0.5 is 38% below 0.8, with no level to explain it
