@@ -524,23 +524,18 @@ def test_a_bf16_teacher_is_held_in_bf16_and_scores_as_the_student_does(tmp_path)
 
 @pytest.mark.slow
 def test_sigterm_during_opd_saves_and_the_rerun_continues_exactly(whole, teacher, tmp_path):
-    """SIGTERM mid-run (as test_stops.py sends it) with a teacher: the run saves the steps it did and stops,
+    """SIGTERM to torchrun with a teacher, sent during step 2's rollout (GRPO_CRASH_AT=rollout:2:SIGTERM: a step
+    here takes 0.1 s, too short to aim a signal from outside): the run abandons step 2, saves step 1 and stops,
     though --save-freq 50 would have saved none; the same command continues to the uninterrupted run (the
     `whole` fixture's 1-rank run), distill/* included: the teacher is frozen and read again from --teacher."""
-    import signal
-
-    from test_stops import start_and_wait_for_step, steps_logged
-
     flags = [*RUN, "--teacher", teacher, "--save-freq", "50"]
-    proc = start_and_wait_for_step(tmp_path, 1, *flags)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    done = max(steps_logged(tmp_path))
-    assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 4" in out + err, err[-3000:]
-    assert 1 <= done < 4 and (tmp_path / f"global_step_{done}").is_dir()
+    proc = train(tmp_path, *flags, crash_at="rollout:2:SIGTERM")
+    out, err = proc.stdout, proc.stderr
+    assert "stopped by SIGTERM after step 1 of 4" in out + err, err[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [0, 1] and (tmp_path / "global_step_1").is_dir()
     assert not (tmp_path / "final_model").exists()
     proc = train(tmp_path, *flags)
-    assert f"resumed from {tmp_path / f'global_step_{done}'}" in proc.stdout
+    assert f"resumed from {tmp_path / 'global_step_1'}" in proc.stdout
     a, b = metrics(whole / "ranks1"), metrics(tmp_path)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
     for x, y in zip(a[1:], b[1:]):
