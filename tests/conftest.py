@@ -43,6 +43,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -slow[item.path])  # a stable sort: a file's tests keep their order
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Name the CPU the suite ran on, beside its time: the time depends on the kind (docs/tests.md)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
+    native = f"native bf16 ({', '.join(bf16)})" if bf16 else "bf16 emulated (no avx512_bf16 or amx_bf16)"
+    terminalreporter.write_line(f"CPU: {model}, {os.cpu_count()} cores, {native}")
+
+
 def need(path):
     if not os.path.isdir(path):
         pytest.skip(f"{os.path.normpath(path)} is not beside the repository")
