@@ -243,6 +243,7 @@ def test_a_reward_function_that_raises_on_a_rollout_rank_is_the_runs_root_cause(
 # Learning parity: the demo at S = 1 learns as fast as the synchronous loop
 
 PARITY = "--max-steps 60 --test-freq 5 --val-max-prompts 100 --save-freq -1 --no-save-model --rollout hf".split()
+PARITY += "--lr 5e-4 --group-size 8 --lr-schedule constant".split()  # the demo's flags when measured (below)
 
 
 def held_out_curve(run_dir):

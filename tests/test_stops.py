@@ -92,11 +92,11 @@ def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp
     """--rollout-ranks 1 --max-staleness 1: the trainer saves the step it finished with the rollout already
     made for the next one, tells the rollout rank to stop, and both exit; the same command finishes.
     SIGTERM to torchrun reaches both ranks; to the rollout rank alone (its node preempted), it passes the
-    request on with its next rollout (stream: its next groups). 12 steps: a SIGTERM after step 2 cannot
-    land on the last one."""
+    request on with its next rollout (stream: its next groups). 40 steps of about 0.1 s: a SIGTERM after
+    step 2 cannot land on the last one."""
     import psutil
 
-    flags = [*SMALL, "--max-steps", "12", "--test-freq", "-1", "--save-freq", "50", "--rollout", "hf"]
+    flags = [*SMALL, "--max-steps", "40", "--test-freq", "-1", "--save-freq", "50", "--rollout", "hf"]
     flags += ["--rollout-ranks", "1", "--max-staleness", "1"]
     flags += ["--stream-rollouts", "--rollout", "vllm"] if stream else []
     proc = start_and_wait_for_step(tmp_path, 2, *flags, ranks=2)
@@ -105,13 +105,13 @@ def test_sigterm_with_a_rollout_rank_stops_both_sides_and_the_rerun_finishes(tmp
     (proc if to == "torchrun" else rollout_rank[0]).send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     done = max(steps_logged(tmp_path))
-    assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 12" in out + err, err[-3000:]
+    assert proc.returncode != 0 and f"stopped by SIGTERM after step {done} of 40" in out + err, err[-3000:]
     assert "rollout rank 0: SIGTERM: stopping at the next step boundary" in out + err
     state = json.load(open(tmp_path / f"global_step_{done}" / "trainer_state.json"))
     assert list(state["rollouts_ahead"]) == [str(done + 1)]
     resumed = run(tmp_path, *flags, ranks=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert steps_logged(tmp_path) == list(range(1, 13))
+    assert steps_logged(tmp_path) == list(range(1, 41))
 
 
 @pytest.mark.slow
