@@ -176,6 +176,22 @@ def test_a_diverging_run_skips_updates_saves_only_the_weights_before_it_and_stop
 
 
 @pytest.mark.slow
+def test_a_sigterm_during_the_last_steps_save_still_finishes_the_run(tmp_path):
+    """SIGTERM to torchrun while the last step's checkpoint is written (GRPO_CRASH_AT=save:2:SIGTERM, which
+    sends it and waits for it to arrive): no step is left to stop before, so the run finishes as it would
+    have: the final model and the report are written, and the next start says the run has finished."""
+    flags = [*SMALL, "--max-steps", "2", "--test-freq", "-1", "--save-freq", "1", "--rollout", "hf"]
+    env = dict(os.environ, GRPO_CRASH_AT="save:2:SIGTERM")
+    proc = subprocess.run(command(tmp_path, *flags), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "SignalException" in proc.stderr  # torchrun, signalled itself
+    assert "rank 0: SIGTERM" in proc.stdout + proc.stderr and "stopped by SIGTERM" not in proc.stdout + proc.stderr
+    assert steps_logged(tmp_path) == [1, 2] and (tmp_path / "global_step_2").is_dir()
+    assert (tmp_path / "final_model" / "model.safetensors").is_file() and (tmp_path / "report" / "report.md").is_file()
+    again = run(tmp_path, *flags)
+    assert again.returncode != 0 and "this run has finished (step 2, of 2)" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_a_finished_run_without_its_final_model_gets_it_on_the_next_start(tmp_path):
     """A kill during the final export left a finished run without final_model. The next start says so
     and exports it from the last checkpoint, before any engine loads; the start after that refuses,
