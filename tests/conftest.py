@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.append(os.path.join(REPO, "benchmarks"))  # their shared helpers (common.py), after ours
 SHARED = os.path.join(REPO, "..", "shared")
 QWEN_DIR = os.path.join(SHARED, "models", "qwen2.5-0.5b-instruct")
 GSM8K_DIR = os.path.join(SHARED, "data", "gsm8k")
@@ -45,14 +46,13 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     """Name the CPU the suite ran on, beside its time: the time depends on the kind (docs/tests.md)."""
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        return
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if f" {flag}" in info]
-    native = f"native bf16 ({', '.join(bf16)})" if bf16 else "bf16 emulated (no avx512_bf16 or amx_bf16)"
-    terminalreporter.write_line(f"CPU: {model}, {os.cpu_count()} cores, {native}")
+    from common import versions  # benchmarks/common.py: the machine, as every benchmark prints it
+
+    from policy import native_bf16
+
+    info = versions()
+    bf16 = "native bf16" if native_bf16(torch.device("cpu")) else "bf16 emulated (no avx512_bf16 or AMX)"
+    terminalreporter.write_line(f"CPU: {info['cpu']}, {info['cores']} cores, {bf16}")
 
 
 def need(path):
