@@ -124,15 +124,18 @@ def crash_point(where, step):
     """For the crash and stop tests: GRPO_CRASH_AT=where:step makes this process kill itself (SIGKILL) there;
     where:step:SIGTERM has rank 0 send SIGTERM to its launcher (torchrun passes it to every rank, as after
     Slurm's), and each rank waits until it has arrived: a stop at a known point, however fast the steps."""
-    at = os.environ.get("GRPO_CRASH_AT")
-    if at == f"{where}:{step}":
+    if os.environ.get("GRPO_CRASH_AT", "").removesuffix(":SIGTERM") == f"{where}:{step}":
+        crash(terminate=os.environ["GRPO_CRASH_AT"].endswith(":SIGTERM"))
+
+
+def crash(terminate):
+    if not terminate:
         os.kill(os.getpid(), signal.SIGKILL)
-    if at == f"{where}:{step}:SIGTERM":
-        if int(os.environ.get("RANK", 0)) == 0:
-            os.kill(os.getppid(), signal.SIGTERM)
-        deadline = time.time() + 60
-        while _stop["signal"] is None and time.time() < deadline:
-            time.sleep(0.01)
+    if int(os.environ.get("RANK", 0)) == 0:
+        os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.time() + 60
+    while _stop["signal"] is None and time.time() < deadline:
+        time.sleep(0.01)
 
 
 def print0(*a, **kw):
