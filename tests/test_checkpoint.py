@@ -165,8 +165,10 @@ def test_tensor_parallel_2_trains_on_the_policys_log_probs_and_resumes_exactly_b
     tp2 = dict(ranks=2, engine="vllm")
     killed = start(tmp_path / "killed", "--tensor-parallel-size", "2", crash_at="update:3", **tp2)
     beside = start(tmp_path / "whole", "--tensor-parallel-size", "2", **tp2)
-    finish(killed, crash_at="update:3")
-    finish(beside)
+    try:
+        finish(killed, crash_at="update:3")
+    finally:  # the other run is waited for (and killed on a timeout) even if the first failed
+        finish(beside)
     rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
     gaps = [r["training/rollout_logprob_diff_max"] for r in rows if r["step"] > 0]
     assert len(gaps) == 4 and max(gaps) < 1e-4, gaps  # fp32: 5e-7 here (1 rank: 1e-6)
