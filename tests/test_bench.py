@@ -208,3 +208,24 @@ def test_the_gpu_compile_script_dry_runs_every_setting_on_the_cpu(tmp_path, gsm8
     trainer = stages["trainer"]  # --compile-blocks in the trainer, against without: 2 steps each
     assert trainer["plain"]["ok"] and trainer["compile-blocks"]["ok"], trainer
     assert len(trainer["compile-blocks"]["updates_s"]) == 2 and trainer["update_ratio"] > 0, trainer
+
+
+def test_the_suite_census_logs_each_process_and_counts_it_by_kind(tmp_path):
+    """benchmarks/suite_census.py's hook, in a real child process, and its counts."""
+    import json
+    import subprocess
+
+    import suite_census
+
+    log = str(tmp_path / "census.jsonl")
+    env = suite_census.install_hook(str(tmp_path), log)
+    env.update(RANK="0", PYTEST_CURRENT_TEST="tests/test_x.py::test_y (call)")
+    (tmp_path / "train.py").write_text("sum(range(10**6))")
+    subprocess.run([sys.executable, "-c", "sum(range(10**6))"], env=env, check=True)
+    subprocess.run([sys.executable, str(tmp_path / "train.py")], env=env, check=True)  # as a rank's script
+    records = [json.loads(line) for line in open(log)]
+    assert len(records) == 2 and all(r["cpu"] > 0 and r["rank"] == "0" for r in records)
+    records.append(dict(argv=["/x/torch/distributed/run.py", "--standalone"], test="", rank=None, cpu=1.5, vllm=False))
+    counts = suite_census.census(records)
+    assert counts["torchrun"] == (1, 1.5) and counts["rank: train.py"][0] == 1 and "other: -c" in counts
+    assert list(suite_census.by_test(records)) == ["tests/test_x.py::test_y"]
