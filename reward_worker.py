@@ -15,7 +15,6 @@ started (kill_tree), and takes the rest of the batch. Module-level state lives u
 closes, or (Linux) this process dies, kill -9 included. Prints: OUTPUT_CAP; a stuck rank's wait: waits()."""
 
 import atexit
-import fcntl
 import importlib
 import os
 import pickle
@@ -24,7 +23,6 @@ import signal
 import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 
@@ -48,6 +46,13 @@ OUTPUT_CAP = 64 * 1024  # bytes
 # Each worker and every process it starts carry MARK=<this worker's own value> in their environment, by
 # which kill_tree finds the ones that left the worker's session (setsid) or its process tree (a double fork).
 MARK = "REWARD_WORKER_MARK"
+
+
+def end_mark(mark):
+    """What the worker writes to its stderr after each request's prints, before its reply: their prints and its
+    replies come on two pipes, so timing cannot tell which request printed what; this line between them can."""
+    return f"\0{mark}: end of a request\0".encode()
+
 
 _waiting = {}  # id(worker) -> (what it runs, since when: time.monotonic(), its timeout, the flag that sets it)
 
@@ -118,6 +123,7 @@ class Worker:
         self.loader, self.setup, self.timeout, self.load_error = loader, setup, float(timeout), load_error
         self.info, self._process, self._pid, self._mark, self.dropped = None, None, None, None, []
         self._printed = 0  # bytes the request now running printed so far (_pass_on)
+        self._ended, self._held = False, b""  # its end mark read; what we read after it, or a mark's first bytes
         self._lock = threading.Lock()  # one batch at a time: replies come back in order
         self._start()
         atexit.register(self.close)
@@ -191,11 +197,12 @@ class Worker:
     def _past_cap(self):
         """The bytes that the request just ended printed past OUTPUT_CAP (dropped, with a note); the next
         request's count starts at 0."""
-        dropped, self._printed = max(self._printed - OUTPUT_CAP, 0), 0
+        dropped, self._printed, self._ended = max(self._printed - OUTPUT_CAP, 0), 0, False
         if dropped:
             say(
                 f"\n[{self.what}: one call printed {dropped + OUTPUT_CAP:,} bytes; the first {OUTPUT_CAP:,} are above, the rest was dropped]\n"
             )
+        self._take(b"")  # what the worker printed after this request's end mark: the next one's
         return dropped
 
     def _reply(self, timeout):
@@ -208,26 +215,43 @@ class Worker:
         deadline = time.monotonic() + timeout
         while True:
             ready = {f for f, _ in waiting.poll(max(deadline - time.monotonic(), 0.0) * 1000)}
-            if fd in ready:  # readable, or closed: the worker died. We read all it printed before it replied
-                return read_message(fd)  # (wait_until_read): what is in that pipe now is the next request's
+            if fd in ready:  # readable, or closed: the worker died
+                self._pass_on(self._process)  # to the request's end mark, which the worker wrote before its reply
+                return read_message(fd)
             if printed in ready and not self._pass_on(self._process):
                 waiting.unregister(printed)  # closed: the worker died, or closed its stderr
             if time.monotonic() >= deadline:
                 raise TimeoutError
 
-    def _pass_on(self, process):
-        """Pass what `process` printed, as much as its pipe holds now, on to our stderr while this request
-        printed at most OUTPUT_CAP bytes, and count it. False once the pipe is closed (and empty)."""
+    def _pass_on(self, process, to_the_end=False):
+        """Pass what `process` printed, as much as its pipe holds now up to the running request's end mark (all of
+        it, marks dropped, `to_the_end`), on to our stderr while this request printed at most OUTPUT_CAP bytes,
+        and count it. False once the pipe is closed (and empty)."""
         for _ in range(64):  # at most 4 MiB at a time: one that never stops printing must not hold us here
+            if self._ended and not to_the_end:  # the rest is the next request's: _past_cap takes it
+                return True
             try:
                 data = os.read(process.stderr.fileno(), 1 << 16)
             except BlockingIOError:  # empty for now
                 return True
             if not data:
                 return False
-            say(data[: max(OUTPUT_CAP - self._printed, 0)])
-            self._printed += len(data)
+            self._take(data, to_the_end)
         return True
+
+    def _take(self, data, to_the_end=False):
+        """Count and pass on `data`, printed by the worker, up to the running request's end mark: what follows it
+        is held for the next request, and so are a last few bytes that may be the start of a mark."""
+        data, mark = self._held + data, end_mark(self._mark)
+        end = -1 if to_the_end else data.find(mark)
+        if end != -1:
+            data, self._held, self._ended = data[:end], data[end + len(mark) :], True
+        else:  # a mark that the pipe split starts with its first byte, "\0", and has no other before its last
+            start = data.rfind(b"\0")
+            split = start != -1 and mark.startswith(data[start:]) and not to_the_end
+            data, self._held = (data[:start], data[start:]) if split else (data.replace(mark, b""), b"")
+        say(data[: max(OUTPUT_CAP - self._printed, 0)])
+        self._printed += len(data)
 
     def _start(self):
         self._stop()
@@ -245,6 +269,7 @@ class Worker:
         )
         os.set_blocking(process.stderr.fileno(), False)
         self._process, self._pid, self._mark, self._printed = process, os.getpid(), mark, 0
+        self._ended, self._held = False, b""
         load_timeout = max(self.timeout, LOAD_TIMEOUT)
         try:
             write_message(process.stdin.fileno(), pickle.dumps((self.loader, self.setup, self.what)))
@@ -271,7 +296,7 @@ class Worker:
             except ProcessLookupError:
                 pass
         process.wait()
-        self._pass_on(process)  # what it printed before it ended
+        self._pass_on(process, to_the_end=True)  # what it printed before it ended
         process.stdin.close()
         process.stdout.close()
         process.stderr.close()
@@ -362,11 +387,10 @@ def serve(parent_pid):
     try:
         answer, info = getattr(importlib.import_module(module), function)(setup)
     except BaseException as e:  # a syntax error, a missing function, a sys.exit at import: all reported
-        flush_prints()
+        end_request()
         write_message(replies, pickle.dumps(("failed", describe(e))))
         return
-    flush_prints()
-    wait_until_read()
+    end_request()
     write_message(replies, pickle.dumps(("ready", info)))
     while True:
         try:
@@ -382,32 +406,21 @@ def serve(parent_pid):
                 data = pickle.dumps(result)
             except Exception as e:
                 data = pickle.dumps((None, UNSENDABLE.format(what, f"{type(e).__name__}: {e}")))
-            flush_prints()
-            wait_until_read()
+            end_request()
             write_message(replies, data)
 
 
-def flush_prints():
+def end_request():
+    """What a request printed is all out, followed by its end mark (end_mark), before its reply is sent."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # closed, or replaced by the user's code with something that cannot
             pass
-
-
-def wait_until_read(most=1.0):
-    """Wait, at most `most` seconds, until the caller has read all that this request printed (our stderr is
-    a pipe it reads): else the prints, which come on another pipe than the reply, could be counted as the
-    next request's. Returns at once when the pipe is empty, as it usually is."""
-    deadline, pause = time.monotonic() + most, 5e-5
-    while time.monotonic() < deadline:
-        try:
-            if not struct.unpack("i", fcntl.ioctl(2, termios.FIONREAD, b"\0" * 4))[0]:  # bytes in the pipe
-                return
-        except OSError:  # our stderr was closed or is no pipe now: nothing to wait for
-            return
-        time.sleep(pause)
-        pause = min(2 * pause, 0.01)
+    try:
+        os.write(2, end_mark(os.environ.get(MARK, "")))
+    except OSError:  # the user's code closed our stderr: the caller counts what it read
+        pass
 
 
 if __name__ == "__main__":

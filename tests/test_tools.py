@@ -521,6 +521,16 @@ def test_a_tool_that_prints_too_much_is_cut_and_counted_truncated(unruly, capfd)
     assert err.endswith(f"{note}\n" + "s" * 10)
 
 
+def test_each_calls_prints_are_counted_as_its_own_however_slowly_they_are_read(unruly, capfd, monkeypatch):
+    # a slow reader (a busy machine): the worker answers the first call and prints the second's 10 bytes while we
+    # still pass the first's on. Counting by timing gave the first call 10,000,010; its end mark makes it exact.
+    import reward_worker
+
+    say = reward_worker.say
+    monkeypatch.setattr(reward_worker, "say", lambda data: (time.sleep(0.01), say(data)))
+    test_a_tool_that_prints_too_much_is_cut_and_counted_truncated(unruly, capfd)
+
+
 def test_a_rank_waiting_on_a_tool_can_say_which_and_for_how_long(unruly):
     import threading
 
