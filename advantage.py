@@ -30,17 +30,20 @@ def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-6):
 
     The trainer broadcasts A over each response's tokens: advantages[:, None] * response_mask.
     """
-    scores = torch.as_tensor(scores, dtype=torch.float32)
-    if scores.dim() != 1 or scores.numel() % group_size != 0:
-        raise ValueError(
-            f"scores must be 1-D with a multiple of group_size={group_size} entries, got shape {tuple(scores.shape)}"
-        )
-    groups = scores.view(-1, group_size)  # [B, n]
-    std = torch.ones_like(groups[:, :1]) if group_size == 1 else groups.std(dim=1, keepdim=True, unbiased=True)
-    adv = group_deviations(groups)  # [B, n]
+    groups = _groups(scores, group_size)  # [B, n]
+    _, std = group_stats(groups)  # [B, 1]
+    adv = group_deviations(groups)  # [B, n] r_i - mean(r)
     if norm_by_std:
         adv = adv / (std + eps)
     return adv.reshape(-1)
+
+
+def group_stats(groups):
+    """Each group's mean and std, [B, n] -> ([B, 1], [B, 1]), as grpo_advantages uses them: std unbiased
+    (n - 1); a group of one has mean 0 and std 1, as in verl."""
+    if groups.shape[1] == 1:
+        return torch.zeros_like(groups), torch.ones_like(groups)
+    return groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True, unbiased=True)
 
 
 def group_deviations(groups):

@@ -476,13 +476,14 @@ def check_teacher(saved, now, path, args):
 
 
 def save_run(
-    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, ahead
+    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, rollouts
 ):
     """Everything needed to continue this run exactly from after `step` (Checkpointer). fingerprint: the
-    fingerprints of what it holds no copy of ({"base_fingerprint", "teacher_fingerprint"}: resume_run)."""
+    fingerprints of what it holds no copy of ({"base_fingerprint", "teacher_fingerprint"}: resume_run); rollouts:
+    the run's rollout source, whose rollouts made ahead are saved (rollout_source.py)."""
     epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
     trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
     trainer_state.update(fingerprint or {})
     if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
-        trainer_state["rollouts_ahead"] = ahead.state(step)
+        trainer_state["rollouts_ahead"] = rollouts.state(step)
     checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)

@@ -31,12 +31,12 @@ from policy import (
     fusable_head,
     load_frozen,
     make_batch,
+    micro_batch,
     micro_batches,
     reference_logprobs,
     reshard,
     response_logits,
     run_head,
-    window,
 )
 from prompt_data import PROMPT_ONLY_SOURCE, VERL_COLUMNS
 from reward import BUILTIN_SOURCES, compute_score
@@ -119,7 +119,7 @@ def teacher_term(batch, policy, teacher, old, *, samples, args, device, timing):
         if args.distill_loss == "forward_kl_topk":
             vocab = policy.config.vocab_size  # the ids the student can produce
             teacher_logp, *top = teacher_topk(
-                policy, teacher, scored, k=args.distill_topk, vocab=vocab, device=device, **how
+                policy, teacher, scored, k=distill_topk(args, vocab), vocab=vocab, device=device, **how
             )
             batch["teacher_topk_logp"], batch["teacher_topk_ids"] = top
         else:
@@ -148,13 +148,13 @@ def teacher_topk(policy, teacher, scored, *, k, vocab, micro, max_tokens, temper
     out = torch.zeros(N, R), torch.zeros(N, R, k), torch.zeros(N, R, k, dtype=torch.long)
     with lora.reference_mode(policy) if teacher is None else contextlib.nullcontext():
         for rows in micro_batches(scored, list(range(N)), micro, max_tokens):
-            view = window(scored, rows)
-            labels = view["responses"].to(device)
+            mb = micro_batch(scored, rows)
+            labels = mb["responses"].to(device)
             if fusable_head(model) is not None:
                 head = lambda h, w: head_topk_logprobs(h, w[:vocab], labels, k, temperature)  # noqa: B023, E731
-                got = run_head(model, view, device, head)
+                got = run_head(model, mb, device, head)
             else:
-                logp = torch.log_softmax(response_logits(model, view, device)[..., :vocab].float() / temperature, -1)
+                logp = torch.log_softmax(response_logits(model, mb, device)[..., :vocab].float() / temperature, -1)
                 got = (logp.gather(-1, labels[..., None]).squeeze(-1), *logp.topk(k, -1))
             for whole, part in zip(out, got):
                 whole[rows, : labels.shape[1]] = part.cpu()
@@ -192,7 +192,9 @@ def teacher_batch(batch, teacher_prompts):
 def check_teacher(args):
     """Before anything loads: --teacher is a model directory (model_dir.check_model_path's message) whose
     tokenizer is the student's, the same tokens at the same ids (the teacher scores the student's ids),
-    and whose vocabulary covers the student's. SystemExit naming the first difference."""
+    and whose vocabulary covers the student's. SystemExit naming the first difference. And --distill-topk fits
+    the student's vocabulary (check_topk)."""
+    check_topk(args)
     if args.teacher == SELF:
         return
     try:
@@ -205,6 +207,33 @@ def check_teacher(args):
             f"--teacher {args.teacher}: {problem}. On-policy distillation scores the student's token ids with the "
             "teacher, so both must share one tokenizer: pick a teacher of --model's family (the same tokenizer)"
         )
+
+
+TOPK = 32  # --distill-topk's default (config.Args.distill_topk): not given, it is at most the student's vocabulary
+
+
+def distill_topk(args, vocab):
+    """forward_kl_topk's k for a student of `vocab` vocabulary entries: --distill-topk, or for the default (the flag
+    not given, or given as 32) at most `vocab`: the demo's tiny model has 20 words."""
+    return min(args.distill_topk, vocab) if args.distill_topk == TOPK else args.distill_topk
+
+
+def check_topk(args):
+    """forward_kl_topk, before anything loads: a --distill-topk above the student's vocabulary (its config.json's
+    vocab_size) is a SystemExit naming both; the default above it is lowered to it (distill_topk), said once.
+    A hub id's vocabulary is not known yet: teacher_topk checks k at the first step."""
+    path = os.path.join(args.model, "config.json")
+    if args.distill_loss != "forward_kl_topk" or not os.path.isfile(path):
+        return
+    vocab = json.load(open(path)).get("vocab_size")
+    if vocab is None or args.distill_topk <= vocab:
+        return
+    if args.distill_topk != TOPK:
+        raise SystemExit(
+            f"--distill-topk {args.distill_topk}: more than the student's {vocab} vocabulary entries ({path}); use "
+            f"at most {vocab}, or leave the flag out for min({TOPK}, its vocabulary)"
+        )
+    print0(f"--distill-topk: the student has {vocab} vocabulary entries, fewer than the default {TOPK}: each position compares all {vocab}")  # fmt: skip
 
 
 def vocabulary_difference(student, teacher):

@@ -1,16 +1,67 @@
-"""Per-token log-probabilities and entropies of the sampled tokens, from the policy's logits or
-straight from its final hidden states and LM head, without ever holding a batch's [B, T, V] logits.
+"""Per-token log-probabilities and entropies of the sampled tokens: first as their formula, from the logits
+(logprobs_from_logits, entropy_from_logits), then in two forms that give the same numbers without ever holding
+a batch's [B, T, V] logits in fp32: chunk by chunk from the logits (_ChunkedTokenLogProb), and the fused head
+(head_logprobs_entropy), straight from the final hidden states and the LM head's weight, a block of tokens x
+vocabulary entries at a time, what the trainer runs for a real vocabulary (policy.fusable_head).
 
 Shapes: B sequences, T response tokens, V vocabulary entries, H hidden size. Log-probabilities and
-entropies are in nats, fp32. `head_logprobs_entropy` is what the trainer uses on a real vocabulary
-(policy.fusable_head); `logprobs_from_logits` and `entropy_from_logits` serve small vocabularies, models
-whose head does more than a matmul, and the tests. Each one is checked against log_softmax of the full logits, value and gradient.
+entropies are in nats, fp32. Each faster form is checked against log_softmax of the full logits, value and
+gradient (tests/test_logprobs.py).
 """
 
 import math
 import sys
 
 import torch
+
+
+def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
+    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
+
+    logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
+    -> [B, T] nats, fp32 (fp64 for fp64 logits); labels [B, T, L] -> [B, T, L].
+    Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
+    O(chunk * V), with or without autograd; positions that fit in one chunk (the demo's micro-batch)
+    take the formula as written. Pass the sampling temperature so these log-probs
+    match the ones the rollout engine sampled with.
+    """
+    if logits.shape[:-1].numel() > chunk:  # the same numbers, a chunk at a time (_ChunkedTokenLogProb)
+        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # one chunk: as written
+    lse = torch.logsumexp(z, -1, keepdim=True)  # [B, T, 1]: log softmax(z)[y] = z[y] - logsumexp(z)
+    return z.gather(-1, labels) - lse if labels.dim() == 3 else (z.gather(-1, labels[..., None]) - lse).squeeze(-1)
+
+
+def entropy_from_logits(logits, chunk=1024, temperature=1.0):
+    """Entropy of the next-token distribution softmax(logits / temperature) at every position, in nats.
+
+    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   z = logits / temperature [B, T, V] -> [B, T] fp32.
+    Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
+    that bounds the extra memory to O(chunk * V).
+    """
+    entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
+    for b, t in _chunks(entropy.shape, chunk):
+        z = logits[b, t].float() / temperature  # [rows, c, V]
+        entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    return entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# The same numbers, a chunk of positions at a time (for a vocabulary too small for the fused head)
+
+
+def _chunks(shape, chunk):
+    """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
+    rows together when sequences are short, pieces of one row when they are long."""
+    B, T = shape
+    if T <= chunk:
+        step = max(1, chunk // max(T, 1))
+        for b in range(0, B, step):
+            yield slice(b, b + step), slice(None)
+    else:
+        for b in range(B):
+            for s in range(0, T, chunk):
+                yield slice(b, b + 1), slice(s, s + chunk)
 
 
 class _ChunkedTokenLogProb(torch.autograd.Function):
@@ -56,6 +107,56 @@ class _ChunkedTokenLogProb(torch.autograd.Function):
             g.scatter_add_(-1, labels[b, t], g_out[b, t])
             grad[b, t] = g.div_(ctx.temperature)
         return grad, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused head: log-probs and entropies from the hidden states, a block at a time
+
+
+def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True, extra_ids=None):
+    """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
+    with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
+    (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
+    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to head_blocks' choice
+    for the device. extra_ids [B, T, K] (a teacher's top-k ids): logp is [B, T, 1 + K], the labels' then
+    those ids' log-probs, each read inside the blocks, with their gradient."""
+    B, T = labels.shape
+    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
+    rows, cols = rows or default_rows, cols or default_cols
+    extra = None if extra_ids is None else extra_ids.reshape(B * T, -1)
+    logp, ent, at_ids, _, _ = _HeadLogProbEntropy.apply(
+        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy, extra
+    )
+    logp = logp.view(B, T) if extra is None else torch.cat([logp[:, None], at_ids], 1).view(B, T, -1)
+    return logp, None if ent is None else ent.view(B, T)
+
+
+@torch.no_grad()
+def head_topk_logprobs(hidden, weight, labels, k, temperature=1.0, rows=None, cols=None):
+    """The log-probs of `labels` and of the k most likely tokens, from the LM head a block at a time as
+    head_logprobs_entropy (each block's top k merged into a running top k: never a [B, T, V] tensor): hidden
+    [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T], top-k log-probs [B, T, k] descending, their ids
+    [B, T, k]), fp32 nats. A teacher's pass for forward_kl_topk (distill.py); no gradient."""
+    B, T = labels.shape
+    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
+    h, flat = hidden.reshape(B * T, -1), labels.reshape(-1)
+    how = (float(temperature), int(rows or default_rows), int(cols or default_cols), False, None, int(k))
+    logp, _, _, top_logp, top_ids = _HeadLogProbEntropy.apply(h, weight, flat, *how)
+    return logp.view(B, T), top_logp.view(B, T, k), top_ids.view(B, T, k)
+
+
+def head_blocks(n, V, device, dtype=torch.float32):
+    """(rows, cols) of the fused head's blocks for n tokens and a V-entry vocabulary on `device`. CPU:
+    512 x 512, 1 MiB of fp32 that stays in a core's cache (measured best there, BENCHMARKS.md); 2048 x 2048
+    where the passes are compiled (compiled_passes: bf16 with native bf16), whose larger matmuls run faster. GPUs:
+    all n tokens (up to 16,384) by as many vocabulary entries as make 2^26 logits (256 MiB of fp32;
+    4,096 entries for 16k tokens), a multiple of 256: few large kernels, and one block of tokens, so the
+    backward writes each vocabulary slice's weight gradient once (benchmarks/gpu_update.py measures
+    these against the older 2^24 / V tokens by the whole vocabulary)."""
+    if device.type == "cpu":
+        return (2048, 2048) if compiled_passes(device, dtype) else (512, 512)
+    rows = max(1, min(n, 2**14))
+    return rows, min(V, max(256, 2**26 // rows // 256 * 256))
 
 
 class _HeadLogProbEntropy(torch.autograd.Function):
@@ -316,94 +417,3 @@ def compiled_or_not(fn, name=None, failed=None, **options):
         return out
 
     return call
-
-
-def head_blocks(n, V, device, dtype=torch.float32):
-    """(rows, cols) of the fused head's blocks for n tokens and a V-entry vocabulary on `device`. CPU:
-    512 x 512, 1 MiB of fp32 that stays in a core's cache (measured best there, BENCHMARKS.md); 2048 x 2048
-    where the passes are compiled (compiled_passes: bf16 with native bf16), whose larger matmuls run faster. GPUs:
-    all n tokens (up to 16,384) by as many vocabulary entries as make 2^26 logits (256 MiB of fp32;
-    4,096 entries for 16k tokens), a multiple of 256: few large kernels, and one block of tokens, so the
-    backward writes each vocabulary slice's weight gradient once (benchmarks/gpu_update.py measures
-    these against the older 2^24 / V tokens by the whole vocabulary)."""
-    if device.type == "cpu":
-        return (2048, 2048) if compiled_passes(device, dtype) else (512, 512)
-    rows = max(1, min(n, 2**14))
-    return rows, min(V, max(256, 2**26 // rows // 256 * 256))
-
-
-def head_logprobs_entropy(hidden, weight, labels, temperature=1.0, rows=None, cols=None, entropy=True, extra_ids=None):
-    """Log-probs of `labels` and entropies under softmax(hidden @ weight^T / temperature), computed
-    with the LM head a block of `rows` tokens x `cols` vocabulary entries at a time
-    (_HeadLogProbEntropy): hidden [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T],
-    entropy [B, T], or None with entropy=False) in fp32 nats. Blocks default to head_blocks' choice
-    for the device. extra_ids [B, T, K] (a teacher's top-k ids): logp is [B, T, 1 + K], the labels' then
-    those ids' log-probs, each read inside the blocks, with their gradient."""
-    B, T = labels.shape
-    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
-    rows, cols = rows or default_rows, cols or default_cols
-    extra = None if extra_ids is None else extra_ids.reshape(B * T, -1)
-    logp, ent, at_ids, _, _ = _HeadLogProbEntropy.apply(
-        hidden.reshape(B * T, -1), weight, labels.reshape(-1), float(temperature), int(rows), int(cols), entropy, extra
-    )
-    logp = logp.view(B, T) if extra is None else torch.cat([logp[:, None], at_ids], 1).view(B, T, -1)
-    return logp, None if ent is None else ent.view(B, T)
-
-
-@torch.no_grad()
-def head_topk_logprobs(hidden, weight, labels, k, temperature=1.0, rows=None, cols=None):
-    """The log-probs of `labels` and of the k most likely tokens, from the LM head a block at a time as
-    head_logprobs_entropy (each block's top k merged into a running top k: never a [B, T, V] tensor): hidden
-    [B, T, H], weight [V, H], labels [B, T] -> (logp [B, T], top-k log-probs [B, T, k] descending, their ids
-    [B, T, k]), fp32 nats. A teacher's pass for forward_kl_topk (distill.py); no gradient."""
-    B, T = labels.shape
-    default_rows, default_cols = head_blocks(B * T, weight.shape[0], hidden.device, hidden.dtype)
-    h, flat = hidden.reshape(B * T, -1), labels.reshape(-1)
-    how = (float(temperature), int(rows or default_rows), int(cols or default_cols), False, None, int(k))
-    logp, _, _, top_logp, top_ids = _HeadLogProbEntropy.apply(h, weight, flat, *how)
-    return logp.view(B, T), top_logp.view(B, T, k), top_ids.view(B, T, k)
-
-
-def _chunks(shape, chunk):
-    """(rows, positions) slices covering a [B, T] grid, about `chunk` positions at a time: whole
-    rows together when sequences are short, pieces of one row when they are long."""
-    B, T = shape
-    if T <= chunk:
-        step = max(1, chunk // max(T, 1))
-        for b in range(0, B, step):
-            yield slice(b, b + step), slice(None)
-    else:
-        for b in range(B):
-            for s in range(0, T, chunk):
-                yield slice(b, b + 1), slice(s, s + chunk)
-
-
-def logprobs_from_logits(logits, labels, temperature=1.0, chunk=1024):
-    """Log-probability of each chosen token: log softmax(logits / temperature)[labels].
-
-    logits [B, T, V] (any float dtype, may be a non-contiguous slice), labels [B, T] int64
-    -> [B, T] nats, fp32 (fp64 for fp64 logits); labels [B, T, L] -> [B, T, L].
-    Computed in at least fp32, `chunk` positions at a time, so memory beyond the logits is
-    O(chunk * V), with or without autograd; positions that fit in one chunk (the demo's micro-batch)
-    take the formula as written. Pass the sampling temperature so these log-probs
-    match the ones the rollout engine sampled with.
-    """
-    if logits.shape[:-1].numel() > chunk:  # the same numbers, a chunk at a time (_ChunkedTokenLogProb)
-        return _ChunkedTokenLogProb.apply(logits, labels, float(temperature), int(chunk))
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # one chunk: as written
-    lse = torch.logsumexp(z, -1, keepdim=True)  # [B, T, 1]: log softmax(z)[y] = z[y] - logsumexp(z)
-    return z.gather(-1, labels) - lse if labels.dim() == 3 else (z.gather(-1, labels[..., None]) - lse).squeeze(-1)
-
-
-def entropy_from_logits(logits, chunk=1024, temperature=1.0):
-    """Entropy of the next-token distribution softmax(logits / temperature) at every position, in nats.
-
-    H = logsumexp(z) - sum_j softmax(z)_j * z_j,   z = logits / temperature [B, T, V] -> [B, T] fp32.
-    Computed in fp32 `chunk` positions at a time; under torch.no_grad() (how the trainer logs it)
-    that bounds the extra memory to O(chunk * V).
-    """
-    entropy = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)  # [B, T]
-    for b, t in _chunks(entropy.shape, chunk):
-        z = logits[b, t].float() / temperature  # [rows, c, V]
-        entropy[b, t] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
-    return entropy

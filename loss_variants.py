@@ -1,13 +1,16 @@
 """The policy losses of --loss-mode other than vanilla PPO, each as verl's function of the same name
 (core_algos.py) computes it: GSPO, CISPO, SAPO, GMPO (geo_mean), Clip-Cov and KL-Cov. loss.policy_loss
-dispatches to them. All inputs [B, T]; log-probabilities in nats; each states its formula.
+calls them (variant_token_losses) and aggregates what they return, as it does PPO's clipped surrogate.
+
+Each returns per-token terms, nothing aggregated: (loss_mat [B, T], metrics {name: [B, T]}), the loss of
+each token and the per-token values of the metrics verl logs, whose masked token means loss.policy_loss
+logs. gspo, sapo and geo_mean are aggregated by seq-mean-token-mean whatever --loss-agg says
+(loss.loss_agg_for). All inputs [B, T]; log-probabilities in nats; each states its formula.
 """
 
 import inspect
 
 import torch
-
-from loss_agg import SEQ_MEAN_AGG, agg_loss, masked_mean
 
 
 def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=4e-4, rollout_is_weights=None):
@@ -17,7 +20,7 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
       log s_i  = sum_t (logp_it - old_logp_it) m_it / max(sum_t m_it, 1)      length-normalized seq ratio
       log s_it = min(logp_it - sg(logp_it) + sg(log s_i), 10)                  sg = stop-gradient (detach)
       l_it     = max(-A_it * s_it, -A_it * clamp(s_it, 1 - clip_low, 1 + clip_high))
-      loss     = agg_loss(l * w, mask, "seq-mean-token-mean")                  w = rollout_is_weights, or 1
+      loss_mat = l * w,  aggregated by seq-mean-token-mean                     w = rollout_is_weights, or 1
 
     s_it has the value s_i (the same for every token of sequence i), and its gradient is
     s_i * grad(logp_it): the sequence ratio weights each token's policy gradient, and a sequence
@@ -26,13 +29,14 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
 
     What we matched in verl: no dual clip (clip_c is not used); log s_it is clamped from above only,
     at 10, and logp - old_logp is not clamped at +-20 as in the vanilla loss; the aggregation is
-    always seq-mean-token-mean (SEQ_MEAN_AGG), whatever the caller's agg; rollout_is_weights multiply the
+    always seq-mean-token-mean, whatever the caller's agg; rollout_is_weights multiply the
     per-token loss before aggregation.
 
-    Returns (loss, metrics), with verl's definitions (masked token means, detached):
-      pg_clipfrac        share of tokens where the clipped term is the larger one
+    Returns (loss_mat, metrics per token), with verl's definitions (detached):
+      pg_clipfrac        1 where the clipped term is the larger one
       pg_clipfrac_lower  0 (there is no dual clip; kept so the logged keys do not change)
-      ppo_kl             mean of old_logp - logp, per token, not clamped
+      ppo_kl             old_logp - logp, not clamped
+      ratio              s_i, the sequence's ratio, on each of its tokens (shown, not logged)
     """
     mask_f = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [B, T]
@@ -44,44 +48,26 @@ def gspo_policy_loss(logp, old_logp, advantages, mask, clip_low=3e-4, clip_high=
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights.detach()
-
     with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(mask_f.dtype), mask_f),
-            "pg_clipfrac_lower": torch.zeros((), dtype=mask_f.dtype, device=mask_f.device),
-            "ppo_kl": masked_mean(-log_ratio, mask_f),
-        }
-    return agg_loss(loss_mat, mask_f, SEQ_MEAN_AGG), metrics
+        clipped = (loss_clipped > loss_unclipped).to(mask_f.dtype)
+        metrics = dict(pg_clipfrac=clipped, pg_clipfrac_lower=torch.zeros_like(mask_f), ppo_kl=-log_ratio)
+        metrics["ratio"] = ratio.detach()
+    return loss_mat, metrics
 
 
-def _zero(like):
-    """The 0 verl logs for a metric a variant does not have, on like's device."""
-    return torch.zeros((), dtype=like.dtype, device=like.device)
-
-
-def cispo_policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    clip_low=0.2,
-    clip_high=0.2,
-    agg="token-mean",
-    rollout_is_weights=None,
-    norm_len=None,
-):
+def cispo_policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, rollout_is_weights=None):
     """CISPO (MiniMax-M1, Chen et al. 2025): each token's REINFORCE term, weighted by its importance
     ratio clipped and detached, as verl's compute_policy_loss_cispo. All inputs [B, T].
 
       r    = exp(clamp(logp - old_logp, -20, 20))
       l    = -sg(clamp(r, 1 - clip_low, 1 + clip_high)) * A * logp       sg = stop-gradient (detach)
-      loss = agg_loss(l * w, mask, agg, norm_len)                          w = rollout_is_weights, or 1
+      loss_mat = l * w                                                    w = rollout_is_weights, or 1
 
     d l / d logp = -clamp(r, ...) * A: a token whose ratio left the range keeps its gradient, with the
     weight capped, where PPO's clip would give it none. The value is -A logp weighted, not a ratio.
 
-    Returns (loss, metrics): pg_clipfrac (share of tokens with r outside the range),
-    pg_clipfrac_lower (0), ppo_kl (mean of old_logp - logp, clamped as above); masked token means.
+    Returns (loss_mat, metrics per token): pg_clipfrac (1 where r is outside the range),
+    pg_clipfrac_lower (0), ppo_kl (old_logp - logp, clamped as above), ratio (r, not logged).
     """
     mask_f = mask.to(logp.dtype)
     log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
@@ -92,9 +78,9 @@ def cispo_policy_loss(
         loss_mat = loss_mat * rollout_is_weights.detach()
     with torch.no_grad():
         clipped = (ratio != weight).to(mask_f.dtype)
-        metrics = dict(pg_clipfrac=masked_mean(clipped, mask_f), pg_clipfrac_lower=_zero(mask_f))
-        metrics["ppo_kl"] = masked_mean(-log_ratio, mask_f)
-    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+        metrics = dict(pg_clipfrac=clipped, pg_clipfrac_lower=torch.zeros_like(mask_f), ppo_kl=-log_ratio)
+        metrics["ratio"] = ratio.detach()
+    return loss_mat, metrics
 
 
 def sapo_policy_loss(logp, old_logp, advantages, mask, tau_pos=1.0, tau_neg=1.05, rollout_is_weights=None):
@@ -105,17 +91,16 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, tau_pos=1.0, tau_neg=1.05
       tau  = tau_pos where A > 0, tau_neg where A <= 0
       f(r) = sigmoid(tau (r - 1)) * 4 / tau
       l    = -f(r) * A
-      loss = agg_loss(l * w, mask, "seq-mean-token-mean")                  w = rollout_is_weights, or 1
+      loss_mat = l * w,  aggregated by seq-mean-token-mean                 w = rollout_is_weights, or 1
 
     d l / d logp = -A * 4 s (1 - s) r with s = sigmoid(tau (r - 1)): exactly the policy gradient -A at
     r = 1; 4 s (1 - s) is a bell of width about 1 / tau around r = 1, so a token far off-policy gets
     little gradient, fading smoothly (sooner for a larger tau) instead of PPO's hard cut.
-    The aggregation is always seq-mean-token-mean (SEQ_MEAN_AGG), as in verl.
+    The aggregation is always seq-mean-token-mean, as in verl.
 
-    Returns (loss, metrics): pg_clipfrac and pg_clipfrac_lower (0: nothing is clipped), ppo_kl
-    (mean of old_logp - logp, clamped as above).
+    Returns (loss_mat, metrics per token): pg_clipfrac and pg_clipfrac_lower (0: nothing is clipped),
+    ppo_kl (old_logp - logp, clamped as above), ratio (r, not logged).
     """
-    mask_f = mask.to(logp.dtype)
     log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
     tau = torch.full_like(advantages, tau_neg).masked_fill_(advantages > 0, tau_pos)  # [B, T]
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
@@ -123,9 +108,9 @@ def sapo_policy_loss(logp, old_logp, advantages, mask, tau_pos=1.0, tau_neg=1.05
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights.detach()
     with torch.no_grad():
-        metrics = dict(pg_clipfrac=_zero(mask_f), pg_clipfrac_lower=_zero(mask_f))
-        metrics["ppo_kl"] = masked_mean(-log_ratio, mask_f)
-    return agg_loss(loss_mat, mask_f, SEQ_MEAN_AGG), metrics
+        zero = torch.zeros_like(mask, dtype=logp.dtype)
+        metrics = dict(pg_clipfrac=zero, pg_clipfrac_lower=zero, ppo_kl=-log_ratio, ratio=log_ratio.exp())
+    return loss_mat, metrics
 
 
 def geo_mean_policy_loss(logp, old_logp, advantages, mask, clip_low=0.4, clip_high=0.4, rollout_is_weights=None):
@@ -136,7 +121,8 @@ def geo_mean_policy_loss(logp, old_logp, advantages, mask, clip_low=0.4, clip_hi
       e_t  = s_t min(s_t d_t, s_t clamp(d_t, -clip_low, clip_high)),  s_t = sign(A_t)
       R_i  = exp(sum_t e_t m_t / n_i)              the geometric mean of the clipped token ratios
       l_i  = -(sum_t A_t m_t / n_i) * R_i * W_i,   W_i = exp(sum_t log(w_t) m_t / n_i), 1 without w
-      loss = mean of l_i over the sequences with n_i > 0
+      loss_mat = l_i on each token of sequence i: seq-mean-token-mean, its aggregation, gives the mean
+                 of l_i over the sequences with n_i > 0
 
     The clip is one-sided: A > 0 caps d_t at clip_high, A < 0 floors it at -clip_low (no gradient
     there), A = 0 makes e_t = 0. The paper's range is (e^-0.4, e^0.4): --clip-low 0.4 --clip-high 0.4.
@@ -145,8 +131,8 @@ def geo_mean_policy_loss(logp, old_logp, advantages, mask, clip_low=0.4, clip_hi
     average over those with tokens, as agg_loss's seq-mean modes (and verl's) do, so that a sequence
     masked whole (--mask-truncated) counts for nothing. verl divides by n_i + 1e-8, we by n_i.
 
-    Returns (loss, metrics): pg_clipfrac and pg_clipfrac_lower (shares of tokens with d_t outside
-    [-clip_low, clip_high] and A > 0, resp. A < 0), ppo_kl (mean of -d_t); masked token means.
+    Returns (loss_mat, metrics per token): pg_clipfrac and pg_clipfrac_lower (1 where d_t is outside
+    [-clip_low, clip_high] and A > 0, resp. A < 0), ppo_kl (-d_t), ratio (R_i on each token, not logged).
     """
     mask_f = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [B, T]
@@ -161,12 +147,9 @@ def geo_mean_policy_loss(logp, old_logp, advantages, mask, clip_low=0.4, clip_hi
         seq_loss = seq_loss * torch.exp((log_w * mask_f).sum(-1) / n.clamp(min=1))
     with torch.no_grad():
         outside = (log_ratio != in_range).to(mask_f.dtype)
-        metrics = {
-            "pg_clipfrac": masked_mean(outside * (advantages > 0), mask_f),
-            "pg_clipfrac_lower": masked_mean(outside * (advantages < 0), mask_f),
-            "ppo_kl": masked_mean(-log_ratio, mask_f),
-        }
-    return masked_mean(seq_loss, (n > 0).to(mask_f.dtype)), metrics
+        metrics = dict(pg_clipfrac=outside * (advantages > 0), pg_clipfrac_lower=outside * (advantages < 0))
+        metrics.update(ppo_kl=-log_ratio, ratio=ratio.detach()[:, None].expand_as(mask_f))
+    return seq_loss[:, None].expand_as(mask_f), metrics
 
 
 def _covariance(advantages, logp, mask_f):
@@ -174,7 +157,12 @@ def _covariance(advantages, logp, mask_f):
     entropy falls with this covariance (Cui et al. 2025): its largest tokens are those whose update
     collapses the entropy most, which Clip-Cov and KL-Cov restrain. [B, T], detached."""
     logp = logp.detach()
-    return (advantages - masked_mean(advantages, mask_f)) * (logp - masked_mean(logp, mask_f))
+    return (advantages - _token_mean(advantages, mask_f)) * (logp - _token_mean(logp, mask_f))
+
+
+def _token_mean(x, mask):
+    """sum(x * mask) / sum(mask), 0 for an empty mask: the covariance's means (loss.masked_mean's formula)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def clip_cov_policy_loss(
@@ -187,9 +175,7 @@ def clip_cov_policy_loss(
     clip_cov_ratio=2e-4,
     clip_cov_lb=1.0,
     clip_cov_ub=5.0,
-    agg="token-mean",
     rollout_is_weights=None,
-    norm_len=None,
 ):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO's clipped
     surrogate, with the gradient of a few high-covariance tokens cut, as verl's
@@ -200,13 +186,13 @@ def clip_cov_policy_loss(
       C      = unmasked tokens PPO's clip left alone, with clip_cov_lb < cov_t < clip_cov_ub
       K      = max(1, floor(clip_cov_ratio * unmasked tokens)) tokens of C drawn at random (all if fewer)
       l      = 0 on the tokens in K, l_clip elsewhere
-      loss   = agg_loss(l * w, mask, agg, norm_len)                         w = rollout_is_weights, or 1
+      loss_mat = l * w                                                      w = rollout_is_weights, or 1
 
     As in verl, the draw is torch.randperm on torch's global generator over C in row-major order,
     and the means and K are over the tokens of the batch given: in the trainer, a micro-batch.
 
-    Returns (loss, metrics): pg_clipfrac (share of tokens in K; PPO's clipped ones do not count),
-    ppo_kl (mean of old_logp - logp); masked token means.
+    Returns (loss_mat, metrics per token): pg_clipfrac (1 on the tokens in K; PPO's clipped ones do not
+    count), ppo_kl (old_logp - logp), ratio (r, not logged).
     """
     mask_f = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [B, T]
@@ -225,32 +211,22 @@ def clip_cov_policy_loss(
     loss_mat = torch.maximum(loss_unclipped, loss_clipped) * keep
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights.detach()
-    metrics = {"pg_clipfrac": masked_mean(1.0 - keep, mask_f), "ppo_kl": masked_mean(-log_ratio.detach(), mask_f)}
-    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+    metrics = {"pg_clipfrac": 1.0 - keep, "ppo_kl": -log_ratio.detach(), "ratio": ratio.detach()}
+    return loss_mat, metrics
 
 
-def kl_cov_policy_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    kl_cov_ratio=2e-4,
-    ppo_kl_coef=0.1,
-    agg="token-mean",
-    rollout_is_weights=None,
-    norm_len=None,
-):
+def kl_cov_policy_loss(logp, old_logp, advantages, mask, kl_cov_ratio=2e-4, ppo_kl_coef=0.1, rollout_is_weights=None):
     """KL-Cov (Cui et al. 2025): the unclipped surrogate, with a KL penalty on the tokens of largest
     covariance, as verl's compute_policy_loss_kl_cov. All inputs [B, T]; cov_t as in _covariance.
 
       d    = logp - old_logp                                                (not clamped)
       K    = the max(1, floor(kl_cov_ratio * unmasked tokens)) unmasked tokens of largest cov_t
       l    = -A exp(d) + ppo_kl_coef * |d| * [t in K]                       (no clip anywhere)
-      loss = agg_loss(l * w, mask, agg, norm_len)                           w = rollout_is_weights, or 1
+      loss_mat = l * w                                                      w = rollout_is_weights, or 1
 
     As in verl, the covariance and K are over the tokens of the batch given: in the trainer, a micro-batch.
 
-    Returns (loss, metrics): ppo_kl, which here (as in verl) is the mean of |d|, a masked token mean.
+    Returns (loss_mat, metrics per token): ppo_kl, which here (as in verl) is |d|; ratio (exp(d), not logged).
     """
     mask_f = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [B, T]
@@ -263,8 +239,8 @@ def kl_cov_policy_loss(
     loss_mat = -advantages * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs() * penalized.view_as(mask_f)
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights.detach()
-    metrics = {"ppo_kl": masked_mean(log_ratio.detach().abs(), mask_f)}
-    return agg_loss(loss_mat, mask_f, agg, norm_len), metrics
+    metrics = {"ppo_kl": log_ratio.detach().abs(), "ratio": log_ratio.detach().exp()}
+    return loss_mat, metrics
 
 
 LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")  # --loss-mode
@@ -279,12 +255,13 @@ VARIANTS = {
     "clip_cov": clip_cov_policy_loss,
     "kl_cov": kl_cov_policy_loss,
 }
-SHARED_ARGS = ("clip_low", "clip_high", "agg", "rollout_is_weights", "norm_len")  # policy_loss's own, passed on
+SHARED_ARGS = ("clip_low", "clip_high", "rollout_is_weights")  # policy_loss's own, passed on
 
 
-def variant_policy_loss(mode, logp, old_logp, advantages, mask, **how):
-    """loss.policy_loss for --loss-mode `mode`, one of LOSS_MODES but vanilla. `how`: SHARED_ARGS and VARIANT_ARGS;
-    each variant takes those its signature names, and its own (verl's) defaults for the rest."""
+def variant_token_losses(mode, logp, old_logp, advantages, mask, **how):
+    """The per-token terms of --loss-mode `mode`, one of LOSS_MODES but vanilla: (loss_mat [B, T], metrics
+    {name: [B, T]}), which loss.policy_loss aggregates. `how`: SHARED_ARGS and VARIANT_ARGS; each variant takes
+    those its signature names, and its own (verl's) defaults for the rest."""
     if mode not in VARIANTS:
         raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {list(LOSS_MODES)}")
     if unknown := set(how) - set(SHARED_ARGS) - set(VARIANT_ARGS):

@@ -6,7 +6,7 @@ same gradient in smaller pieces), instead of dying in the first update after a w
 import torch
 
 from distributed import print0
-from policy import make_batch, response_logprobs, window
+from policy import make_batch, micro_batch, response_logprobs
 
 
 def free_memory_gib(device, ranks_here):
@@ -30,7 +30,7 @@ def activation_gib_per_token(model, device, length=1024):
     (half prompt, half response), with no backward. Every rank calls it: FSDP2 gathers weights."""
 
     def held(n):
-        view = window(make_batch([[0] * (n // 2)], [[0] * (n - n // 2)], pad_id=0), [0])
+        mb = micro_batch(make_batch([[0] * (n // 2)], [[0] * (n - n // 2)], pad_id=0), [0])
         storages = {}
 
         def pack(t):
@@ -38,7 +38,7 @@ def activation_gib_per_token(model, device, length=1024):
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            response_logprobs(model, view, device, 1.0)
+            response_logprobs(model, mb, device, 1.0)
         return sum(storages.values())
 
     return (held(length) - held(length // 2)) / (length - length // 2) / 2**30

@@ -1,16 +1,14 @@
-"""The policy on the trainer's side: loading and FSDP2 sharding, batches of variable-length
-sequences, per-token log-probs, and getting the full weights out (to the engine, to disk).
+"""The policy on the trainer's side: batches of variable-length sequences, the per-token log-probs of the
+sampled responses, loading and FSDP2 sharding, and getting the full weights out (to the engine, to disk).
 
 A batch lays each sequence out as [pad.. prompt | response ..pad]: prompts left-padded, responses right-padded,
-so that response token t of every row sits in the same column. Micro-batches are cut to the columns their rows
-use, and the LM head runs on the response positions only. With shared prompts, a GRPO group's n rows hold one
-prompt: the model runs it once and the n responses on top of its KV cache (_forward_responses).
+so that response token t of every row sits in the same column. A micro-batch is cut to the columns its rows
+use, and the LM head runs on the response positions only. response_logprobs reads as its formula; below it,
+two faster forms of the same numbers, each one call: shared prompts (a GRPO group's prompt runs once, its n
+responses on its KV cache) and, for a real vocabulary, the fused head (never the [b, r, V] logits).
 """
 
-import math
-
 import torch
-import torch.distributed as dist
 
 import export
 import lora
@@ -27,7 +25,7 @@ def make_batch(prompts, responses, pad_id, group=1, model_mask=None):
     """Token id lists -> tensors. input_ids = [pad.. prompt | response ..pad]: [N, P + R].
     The logits that predict response token t sit at column P - 1 + t. With group = n > 1, every n
     consecutive rows share one prompt (a GRPO group, prompt-major): the policy then runs that prompt
-    once for the group, not once per response (response_logprobs). model_mask (multi-turn: one 0/1
+    once for the group, not once per response (shared_prompt_forward). model_mask (multi-turn: one 0/1
     list per response) leaves response_mask 1 on the model's own tokens only."""
     P, R = max(map(len, prompts)), max(max(map(len, responses)), 1)
     n = len(prompts)
@@ -59,7 +57,7 @@ def make_batch(prompts, responses, pad_id, group=1, model_mask=None):
 
 
 def micro_batches(batch, rows, size, max_tokens=0):
-    """Split the sequences `rows` (indices into the batch) into micro-batches: `size` at a time, or,
+    """Split the sequences `rows` (indices into the batch) into micro-batches' rows: `size` at a time, or,
     with max_tokens > 0, sorted by length and packed while the padded tokens computed stay <=
     max_tokens. With shared prompts (batch["group"] = n > 1) a group's rows stay together: a
     micro-batch holds whole groups (at least one, even when n > size), and costs a prompt per group
@@ -85,42 +83,110 @@ def micro_batches(batch, rows, size, max_tokens=0):
     return out + [cur]
 
 
-def window(batch, rows):
-    """The rows of a batch, cut to the columns they use: the padding every row of them has on the
-    left of the prompts and the right of the responses is never computed on."""
+def micro_batch(batch, rows):
+    """The micro-batch of a batch's `rows`: their tensors, cut to the columns they use (the padding every one
+    of them has left of the prompts and right of the responses is never computed on). Response tensors
+    [b, r]; prompt_width: the prompts' columns p; group: the batch's (micro_batches keeps groups whole)."""
     p, r, P = (
         max(batch["prompt_lens"][i] for i in rows),
         max(batch["response_lens"][i] for i in rows),
         batch["prompt_width"],
     )
     cols = slice(P - p, P + r)
-    view = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
-    view.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
+    mb = {k: batch[k][rows, cols] for k in ("input_ids", "attention_mask", "position_ids")}
+    mb.update(responses=batch["responses"][rows, :r], response_mask=batch["response_mask"][rows, :r], prompt_width=p)
     for k in PER_TOKEN:  # what the trainer added to the batch: the loss's inputs, [N, R] each
         if batch.get(k) is not None:
-            view[k] = batch[k][rows, :r]
-    view["group"] = batch.get("group", 1)  # micro_batches keeps groups whole
-    return view  # response tensors [b, r]
+            mb[k] = batch[k][rows, :r]
+    mb["group"] = batch.get("group", 1)
+    return mb
 
 
 PER_TOKEN = ("advantages", "old_logp", "ref_logp", "engine_logp", "teacher_logp")  # [N, R] tensors a batch may carry
 PER_TOKEN += ("teacher_topk_logp", "teacher_topk_ids")  # [N, R, K]: forward_kl_topk's teacher (distill.py)
 
+# ----------------------------------------------------------------------------------------------
+# Per-token log-probs of the sampled responses
 
-def _forward_responses(model, view, device):
-    """Runs the model on a window of a batch so that its LM head sees every position whose output
-    predicts a response token; returns the model's outputs (the head's outputs are their .logits).
 
-    One forward over the whole window, the head on its last r + 1 positions: with a real
-    vocabulary, logits on the prompt would be a large share of the FLOPs and the memory. With
-    shared prompts (group n > 1) two: each group's prompt once, keeping its KV cache (the head on
-    its last position only), then the group's n responses on top of that cache, repeated n times.
-    The gradient reaches the prompt's activations through the cache, so the result is the same as
-    n full sequences, minus n - 1 prompt passes. combine_head_outputs puts the pieces in order."""
-    ids, mask, pos = (view[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
-    n, p, r = view.get("group", 1), view["prompt_width"], view["responses"].shape[1]
+def response_logprobs(model, mb, device, temperature, entropy_grad=False, entropy=True, extra_ids=None):
+    """Per-token log-probs of a micro-batch's response tokens and the entropies there, ([b, r], [b, r]) fp32. With
+    z the model's logits at the positions that predict the response tokens and T the temperature, they are
+
+        logp = log_softmax(z / T).gather(-1, responses)    entropy = -(softmax(z / T) * log_softmax(z / T)).sum(-1)
+
+    the sampling distribution's, as verl's actor computes them (logprobs.py). entropy=False skips the entropy
+    (None), as the old and reference log-probs need; it carries a gradient only with entropy_grad (the loss's
+    entropy bonus), otherwise it is logged only. extra_ids [b, r, K] (forward_kl_topk's teacher ids): the
+    log-probs are [b, r, 1 + K], the ids' after the sampled token's."""
+    if fusable_head(model) is not None:  # a real vocabulary: the same numbers without the [b, r, V] logits
+        return fused_response_logprobs(model, mb, device, temperature, entropy_grad, entropy, extra_ids)
+    labels = mb["responses"].to(device)  # [b, r]
+    logits = response_logits(model, mb, device)  # [b, r, V]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = entropy_from_logits(logits, temperature=temperature) if entropy else None
+    ids = labels if extra_ids is None else torch.cat([labels[..., None], extra_ids.to(device)], -1)
+    return logprobs_from_logits(logits, ids, temperature), ent
+
+
+def response_logits(model, mb, device):
+    """The logits that predict each response token of a micro-batch: [b, r, V]."""
+    return combine_head_outputs([out.logits for out in forward_responses(model, mb, device)], mb)
+
+
+def forward_responses(model, mb, device):
+    """Runs the model on a micro-batch so that its LM head sees every position whose output predicts a response
+    token: one forward, the head on the last r + 1 positions only (with a real vocabulary, logits on the prompt
+    would be a large share of the FLOPs and the memory). Returns the model's outputs in a list (the head's are
+    their .logits); combine_head_outputs puts them in order. With shared prompts, shared_prompt_forward."""
+    if mb.get("group", 1) > 1:  # each prompt once for its group, the n responses on its KV cache
+        return shared_prompt_forward(model, mb, device)
+    ids, mask, pos = (mb[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+    r = mb["responses"].shape[1]
+    return [model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=r + 1)]
+
+
+def combine_head_outputs(pieces, mb):
+    """The LM head's outputs from forward_responses -> [b, r, ...]: position t predicts response token t."""
+    n = mb.get("group", 1)
     if n == 1:
-        return [model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=r + 1)]
+        return pieces[0][:, :-1]  # [b, r + 1] -> [b, r]
+    first = pieces[0].repeat_interleave(n, 0)  # each prompt's last position, once per response
+    return torch.cat([first] + pieces[1:], 1)
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch, *, micro, max_tokens, temperature, device):
+    """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
+    out = torch.zeros_like(batch["response_mask"])
+    for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
+        logp, _ = response_logprobs(model, micro_batch(batch, rows), device, temperature, entropy=False)
+        out[rows, : logp.shape[1]] = logp.float().cpu()
+    reshard(model)
+    return out
+
+
+def reference_logprobs(policy, reference, batch, **how):
+    """compute_logprobs (with its keywords, `how`) under the KL reference: the frozen copy, or with
+    LoRA (reference None) the policy's base. distill.py's teacher is scored the same way."""
+    if reference is not None:
+        return compute_logprobs(reference, batch, **how)
+    with lora.reference_mode(policy):
+        return compute_logprobs(policy, batch, **how)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same numbers, faster: shared prompts and the fused head (a reader can skip this part)
+
+
+def shared_prompt_forward(model, mb, device):
+    """forward_responses for a micro-batch of whole GRPO groups (mb["group"] = n > 1, every n rows one prompt):
+    two forwards, each group's prompt once, keeping its KV cache (the head on its last position only), then the
+    group's n responses on top of that cache, repeated n times. The gradient reaches the prompt's activations
+    through the cache, so the log-probs and their gradients are those of n full sequences, minus n - 1 prompt
+    passes (tests/test_policy.py::test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients)."""
+    ids, mask, pos = (mb[k].to(device) for k in ("input_ids", "attention_mask", "position_ids"))
+    n, p, r = mb["group"], mb["prompt_width"], mb["responses"].shape[1]
     kw = dict(use_cache=True)
     first = model(
         input_ids=ids[::n, :p], attention_mask=mask[::n, :p], position_ids=pos[::n, :p], logits_to_keep=1, **kw
@@ -144,20 +210,6 @@ def _forward_responses(model, view, device):
     return [first, second]
 
 
-def combine_head_outputs(pieces, view):
-    """The LM head's outputs from _forward_responses -> [b, r, ...]: position t predicts response token t."""
-    n = view.get("group", 1)
-    if n == 1:
-        return pieces[0][:, :-1]  # [b, r + 1] -> [b, r]
-    first = pieces[0].repeat_interleave(n, 0)  # each prompt's last position, once per response
-    return torch.cat([first] + pieces[1:], 1)
-
-
-def response_logits(model, view, device):
-    """The logits that predict each response token of a window of a batch: [b, r, V]."""
-    return combine_head_outputs([out.logits for out in _forward_responses(model, view, device)], view)
-
-
 FUSED_HEAD_MIN_VOCAB = 1024  # below it the logits are small, the plain path faster: benchmarks/head_crossover.py
 
 
@@ -169,64 +221,36 @@ def fusable_head(model):
     return head if plain and not getattr(model.config, "final_logit_softcapping", None) else None
 
 
-def response_logprobs(model, view, device, temperature, entropy_grad=False, entropy=True, extra_ids=None):
-    """Per-token log-probs of a window's response tokens and the entropies there, ([b, r], [b, r]) fp32. With z
-    the model's logits at the positions that predict the response tokens and T the temperature, they are
-
-        logp = log_softmax(z / T).gather(-1, responses)    entropy = -(softmax(z / T) * log_softmax(z / T)).sum(-1)
-
-    the sampling distribution's, as verl's actor computes them: as written (response_logits) for a small vocabulary
-    (the demo's) or a head that is more than one matmul. Others (fusable_head) get the same numbers without the
-    [b, r, V] logits: the model calls head_logprobs_entropy in place of its LM head's forward, a block of tokens x
-    vocabulary entries at a time (run_head). With shared prompts (view["group"] > 1) each prompt runs once under
-    its n responses (_forward_responses). Equal in value and gradient: tests/test_policy.py's fused-head and
-    shared-prompt tests.
-    entropy=False skips the entropy (None), as the old and reference log-probs need; it carries a gradient only
-    with entropy_grad (the loss's entropy bonus), otherwise it is logged only. extra_ids [b, r, K]
-    (forward_kl_topk's teacher ids): the log-probs are [b, r, 1 + K], the ids' after the sampled token's."""
-    labels, extra = view["responses"].to(device), None if extra_ids is None else extra_ids.to(device)
-    if fusable_head(model) is None:
-        logits = response_logits(model, view, device)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits, temperature=temperature) if entropy else None
-        ids = labels if extra is None else torch.cat([labels[..., None], extra], -1)
-        return logprobs_from_logits(logits, ids, temperature), ent
+def fused_response_logprobs(model, mb, device, temperature, entropy_grad=False, entropy=True, extra_ids=None):
+    """response_logprobs' numbers for a model with a fusable_head, without the [b, r, V] logits: the model calls
+    logprobs.head_logprobs_entropy in place of its LM head's forward (run_head), which computes
+    log_softmax(h W^T / T) at the labels and the entropy a block of tokens x vocabulary entries at a time. Equal
+    in value and gradient (tests/test_policy.py::test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients)."""
+    labels, extra = mb["responses"].to(device), None if extra_ids is None else extra_ids.to(device)
     fused = lambda h, w: head_logprobs_entropy(h, w, labels, temperature, entropy=entropy, extra_ids=extra)  # noqa: E731
-    logp, ent = run_head(model, view, device, fused)
+    logp, ent = run_head(model, mb, device, fused)
     return logp, ent if entropy_grad or ent is None else ent.detach()
 
 
-def run_head(model, view, device, head_fn):
-    """Runs the model on a window (_forward_responses), its plain LM head (fusable_head) replaced by head_fn(hidden
-    [b, r, H], weight [V, H]): called once, where FSDP2 has gathered the weight, with every response position's
-    hidden states (shared prompts: the first forward's and the second's). Returns what head_fn returned."""
+def run_head(model, mb, device, head_fn):
+    """Runs the model on a micro-batch (forward_responses), its plain LM head (fusable_head) replaced by head_fn(
+    hidden [b, r, H], weight [V, H]): called once, where FSDP2 has gathered the weight, with every response
+    position's hidden states (shared prompts: the first forward's and the second's). Returns what head_fn returned."""
     head, hidden, out = fusable_head(model), [], []
-    calls = 1 if view.get("group", 1) == 1 or view["responses"].shape[1] == 1 else 2  # _forward_responses' calls
+    calls = 1 if mb.get("group", 1) == 1 or mb["responses"].shape[1] == 1 else 2  # forward_responses' calls
 
     def fused(h):  # the hidden states the head sees; the last call has them all
         hidden.append(h)
         if len(hidden) == calls:
-            out.append(head_fn(combine_head_outputs(hidden, view), head.weight))  # [b, r, H]
+            out.append(head_fn(combine_head_outputs(hidden, mb), head.weight))  # [b, r, H]
         return h[..., :1]  # what the model returns as its "logits"; unused
 
     head.forward = fused
     try:
-        _forward_responses(model, view, device)
+        forward_responses(model, mb, device)
     finally:
         del head.forward  # the class's forward again
     return out[0]
-
-
-@torch.no_grad()
-def compute_logprobs(model, batch, *, micro, max_tokens, temperature, device):
-    """Per-token log-probs of the responses under `model`, micro-batch by micro-batch: [N, R]."""
-    out = torch.zeros_like(batch["response_mask"])
-    for rows in micro_batches(batch, list(range(out.shape[0])), micro, max_tokens):
-        view = window(batch, rows)
-        logp, _ = response_logprobs(model, view, device, temperature, entropy=False)
-        out[rows, : logp.shape[1]] = logp.float().cpu()
-    reshard(model)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,137 +418,3 @@ def load_frozen(path, mesh, device, dtype, offload=False):
     forward, so an fp32 copy would hold twice the memory for the same numbers (verl's reference is bf16 too)."""
     frozen = load_model(path, dtype, device).eval().requires_grad_(False)
     return shard(frozen, mesh, dtype, offload)
-
-
-def move_optimizer_states(optimizer, device):
-    """--offload optimizer: AdamW's moments (exp_avg, exp_avg_sq) to `device`, the GPU for the
-    optimizer step and the CPU between steps (its step counts stay where they are)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device)
-
-
-def reference_logprobs(policy, reference, batch, **how):
-    """compute_logprobs (with its keywords, `how`) under the KL reference: the frozen copy, or with
-    LoRA (reference None) the policy's base. distill.py's teacher is scored the same way."""
-    if reference is not None:
-        return compute_logprobs(reference, batch, **how)
-    with lora.reference_mode(policy):
-        return compute_logprobs(policy, batch, **how)
-
-
-MAX_GROWTH = 10  # an update that could move a weight by more than this x the largest weight is a divergence
-SMALL_WEIGHTS = 0.01  # the largest weight's magnitude counts as at least this (trainable weights that start at 0)
-
-
-@torch.no_grad()
-def update_may_overflow(optimizer):
-    """Why optimizer.step() must be skipped, decided before the step, or None: it could make a weight
-    non-finite, or move one by more than MAX_GROWTH times the largest trainable weight's magnitude (a
-    divergence whose weights are still finite: --lr 1e30 once multiplied every weight by -1e28). For
-    torch's AdamW (decoupled weight decay) the update of each weight p with gradient g is
-
-        p' = p (1 - lr wd) - lr / (1 - beta1^t) * m' / (sqrt(v' / (1 - beta2^t)) + eps),
-        m' = beta1 m + (1 - beta1) g,   v' = beta2 v + (1 - beta2) g^2.
-
-    |m'| <= max(|m|, |g|) and the denominator is >= eps, so |p'| <= max|p| |1 - lr wd| +
-    lr / (1 - beta1^t) * max(|m|, |g|) / eps, with t the smallest step count of the group (the largest
-    bound). If that bound is finite every new weight is; it reaches float32's range only for absurd
-    learning rates (1e29 at eps 1e-8 and clipped gradients) or weights already near overflow. The
-    change |p' - p| is at most lr (wd |p| + min(that step / lr, adam_step_bound)): about 7.3 lr with
-    verl's betas (lr at the first step), so the check trips at lr > 1.4 for weights of size 1 and at
-    lr > 0.014 for the smallest (SMALL_WEIGHTS), never at the usual 1e-6 to 1e-3. An optimizer
-    without betas (SGD, in tests) is bounded as plain gradient descent, lr (wd |p| + |g|). The maxima
-    are one foreach kernel per kind of tensor, on the device, and one number comes back to the host:
-    one device sync per optimizer step. A collective: every rank gets the same answer."""
-    bounds, changes, weights = [], [], []  # 0-d tensors, one per param group, on its gradients' device
-    for group in optimizer.param_groups:
-        lr, wd = group["lr"], group.get("weight_decay", 0.0)
-        beta1, eps = group["betas"][0] if "betas" in group else 0.0, group.get("eps", 1.0)
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            continue
-        states = [optimizer.state.get(p, {}) for p in params]
-        grad = _max_abs([_local(p.grad) for p in params])  # [P], one entry per parameter
-        weight = _max_abs([_local(p) for p in params])
-        moment = _max_abs([_local(s.get("exp_avg")) for s in states]).to(grad.device)  # CPU with --offload optimizer
-        t = _smallest_step(states) + 1
-        step = lr / (1 - beta1**t) * torch.maximum(grad, moment) / eps  # [P] lr x the largest |Adam's step|
-        bounds.append((weight * abs(1 - lr * wd) + step).max())
-        changes.append((weight * lr * wd + step.clamp(max=lr * adam_step_bound(group.get("betas")))).max())
-        weights.append(weight.max())
-    if bounds:
-        maxima = torch.stack([torch.stack(x).max() for x in (bounds, changes, weights)])
-    else:  # every rank joins the all_reduce, even with no gradients
-        maxima = torch.zeros(3, dtype=torch.float64, device=_local(optimizer.param_groups[0]["params"][0]).device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    bound, change, largest = maxima
-    # the one number the host sees: the change over the largest weight, inf if a weight could overflow (or NaN)
-    growth = torch.where(bound < torch.finfo(torch.float32).max, change / largest.clamp(min=SMALL_WEIGHTS), math.inf)
-    growth, lr = growth.item(), optimizer.param_groups[0]["lr"]
-    if not math.isfinite(growth):
-        return f"this update could make weights non-finite (lr {lr:.3g})"
-    if growth > MAX_GROWTH:
-        return f"this update could change weights by up to {growth:.3g}x their largest magnitude (lr {lr:.3g})"
-    return None
-
-
-def adam_step_bound(betas):
-    """The largest |m / sqrt(v)| of Adam's bias-corrected moments, whatever the gradients: by
-    Cauchy-Schwarz over m = (1 - b1) sum_k b1^k g_k and v = (1 - b2) sum_k b2^k g_k^2 (g_k: the
-    gradient k steps ago) it is
-    (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)), 7.27 for betas (0.9, 0.999), and 1 at the first step
-    (the bias corrections only lower it before the sum converges). Unbounded (inf) for SGD (no betas)
-    and for b1^2 >= b2, where a long run of growing gradients can make it as large as eps allows."""
-    if betas is None or betas[0] ** 2 >= betas[1]:
-        return math.inf
-    b1, b2 = betas
-    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1**2 / b2))
-
-
-def diverged_message(args, first, last, newest, checkpointer):
-    """What stops a run whose every update was skipped from step `first` to `last`. A skipped update
-    changes nothing, so `newest`, the checkpoint saved (or resumed from) last, holds the weights from
-    before the divergence. Waits for its background save, if any (a collective, as the stop is)."""
-    if checkpointer:
-        checkpointer.wait()
-    if newest is None:
-        go_on = "rerun with --allow-changed lr: with no checkpoint saved, that starts the run over"
-    elif args.resume == "auto":
-        go_on = f"rerun with --allow-changed lr: it resumes from {newest}"
-    else:
-        go_on = f"rerun with --allow-changed lr --resume {newest}"
-    return (
-        f"steps {first}-{last}: every update was skipped (a non-finite gradient, or an update that could make "
-        "weights non-finite or change them by orders of magnitude): training has diverged, and nothing of it was "
-        f"saved. Lower --lr (now {args.lr:g}) and {go_on}. If the metrics before step {first} already show the "
-        "divergence, start over instead, with a new --out-dir."
-    )
-
-
-def _local(x):
-    """A DTensor's shard on this rank; a plain tensor (or None) as it is."""
-    return x.to_local() if hasattr(x, "to_local") else x
-
-
-def _max_abs(tensors):
-    """[max |x| for x in tensors] as a float64 vector on their device, 0 for None or an empty shard
-    (every non-empty one on one device); NaN propagates. One foreach kernel, no device sync."""
-    present = [x.detach() for x in tensors if x is not None and x.numel()]
-    device = present[0].device if present else torch.device("cpu")
-    norms = iter(torch._foreach_norm(present, ord=float("inf")) if present else [])
-    zero = torch.zeros((), device=device)
-    return torch.stack([next(norms) if x is not None and x.numel() else zero for x in tensors]).double()
-
-
-def _smallest_step(states):
-    """The smallest of AdamW's step counts in `states` (0 where a state is empty), without a device sync:
-    a number where they live on the CPU (foreach AdamW), a 0-d tensor on the GPU for fused AdamW."""
-    steps = [s["step"] for s in states if "step" in s]
-    if len(steps) < len(states):
-        return 0
-    if torch.is_tensor(steps[0]) and steps[0].device.type != "cpu":
-        return torch.stack(steps).min().double()
-    return min(float(s) for s in steps)

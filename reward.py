@@ -1,17 +1,15 @@
-"""The reward interface: compute_score, the built-in reward of each shipped task (tasks/), and reward
-functions of your own, loaded from a file or an installed module and run in a worker process
-(reward_worker.py). TRL's batched functions, f(completions, **kwargs), have their own file: trl_rewards.py.
-verl's signature, which the rest of this file serves, is
+"""The reward: verl's compute_score (the built-in reward of each shipped task, tasks/), and reward functions of
+your own (--reward-fn FILE.py:NAME) in a worker process. A sample's reward, from the training loop on:
 
-    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+    rollout.score_samples -> score_responses -> score_one -> compute_score(data_source, solution_str,
+                                                             ground_truth, extra_info=None) -> float | dict
+    (with --reward-fn, score_one runs in the reward worker: RewardWorker.call sends it the batch, reward_worker.py)
 
-and returns either a real number (int, float, bool, a numpy or torch scalar) or a dict with a "score" key
-plus extra keys that the trainer logs as metrics (reward_extra/<key>/mean). A verl user's reward file
-works here unchanged: `--reward-fn my_reward.py:compute_score`. extra_info is the row's own, plus the
-response's tokens when the trainer passes them (score_rows). Several reward functions combine into one
-with weighted_reward (TRL's reward_weights): score = sum_i w_i * s_i, each s_i kept as an extra key.
-What a --reward-fn function may do, and what happens when it raises, exits, hangs or returns something
-else: load_reward_fns. The built-in rewards run here; MATH's math-verify has its own worker.
+A reward returns a real number or a dict with a "score" and extra keys, logged as reward_extra/<key>/mean. A
+verl user's reward file works here unchanged. TRL's batched functions, f(completions, **kwargs), have their own
+file (trl_rewards.py), whose loader the worker runs for both kinds. Several functions combine as weighted_reward
+(TRL's reward_weights). What a function may do, and what happens when it raises, exits, hangs or returns
+something else: load_reward_fns.
 """
 
 import functools
@@ -153,23 +151,25 @@ def read_score(out):
     return float(number), extras
 
 
-def score_one(reward_fn, data_source, solution_str, ground_truth, extra_info=None):
-    """(score, extras, None) for one sample, or (None, None, problem) where problem says what the reward
-    function did instead: "raised KeyError: ...", "called sys.exit(0)", "returned '1.0' (a str); ...".
-    Lets through only what is neither an Exception nor SystemExit (KeyboardInterrupt)."""
+def score_one(reward_fn, sample):
+    """One sample's reward: reward_fn called with verl's keyword arguments, sample = (data_source, solution_str,
+    ground_truth, extra_info). Returns ((score, extras), None), or (None, problem) where problem says what the
+    reward function did instead: "raised KeyError: ...", "called sys.exit(0)", "returned '1.0' (a str); ...".
+    Lets through only what is neither an Exception nor SystemExit (KeyboardInterrupt). The reward worker's
+    answer to a request too (reward_worker.Worker), so a sample is scored the same in either process."""
+    data_source, solution_str, ground_truth, extra_info = sample
     try:
         out = reward_fn(
             data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
         )
     except (Exception, SystemExit) as e:
-        return None, None, describe(e)
+        return None, describe(e)
     try:
-        value, extras = read_score(out)
+        return read_score(out), None
     except ValueError as e:
-        return None, None, str(e)
+        return None, str(e)
     except Exception as e:  # a dict whose keys cannot be listed, and the like
-        return None, None, f"returned {safe_repr(out)}, which cannot be read ({describe(e)})"
-    return value, extras, None
+        return None, f"returned {safe_repr(out)}, which cannot be read ({describe(e)})"
 
 
 def sample_place(where, index):
@@ -180,48 +180,50 @@ def sample_place(where, index):
 def score_responses(
     reward_fn, data_sources, responses, ground_truths, extra_infos=None, indices=None, errors="raise", where=""
 ):
-    """Score every response with `reward_fn`, called with verl's keyword arguments: in its worker process
-    if it is a RewardWorker (load_reward_fns), else in this one.
-
-    Returns (scores, extras): scores is a list of floats; extras maps each extra key of dict
-    returns to a list with one value per sample (None where a sample lacked it, or where its value was a
-    number that is not finite: those are reported on stderr, one line per call).
-
-    errors="raise" (the default): a reward function that raises, exits, crashes, times out or returns
-    something that is not a score stops the run (RewardError) naming the function, where (e.g. "step 3"),
-    the sample's index (`indices`), its data source and the problem: a silently-zero reward would
-    quietly train the policy on a bug.
-    errors="skip" (--reward-errors skip): such a sample scores 0, extras["reward_error"] is 1.0 for
-    it and 0.0 for the others (its mean is the error fraction, its sum the count), and one line
-    per call, with the count and the first problem, goes to stderr.
-    """
+    """Score every response with `reward_fn` (score_one, verl's keyword arguments): in its worker process if it is
+    a RewardWorker (load_reward_fns), else in this one. Returns (scores: a float per sample, extras: each extra key
+    of dict returns -> one value per sample), with what was wrong checked by checked_scores: errors="raise" (the
+    default) stops the run at a reward function that raises, exits, crashes, times out or returns no score;
+    errors="skip" (--reward-errors skip) scores such a sample 0 and counts it."""
     if errors not in ("raise", "skip"):
         raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
     extra_infos = extra_infos if extra_infos is not None else [None] * len(responses)
-    indices = list(indices) if indices is not None else list(range(len(responses)))
-    name = getattr(reward_fn, "__name__", repr(reward_fn))
     samples = list(zip(data_sources, responses, ground_truths, extra_infos))
     if isinstance(reward_fn, RewardWorker):
-        results = reward_fn.score(samples, stop_on_error=errors == "raise")
+        results = reward_fn.call(samples, stop_on_error=errors == "raise")
     else:
         results = []
         for sample in samples:
-            results.append(score_one(reward_fn, *sample))
-            if errors == "raise" and results[-1][2] is not None:
+            results.append(score_one(reward_fn, sample))  # ((score, extras), None) or (None, problem)
+            if errors == "raise" and results[-1][1] is not None:
                 break
+    indices = list(indices) if indices is not None else list(range(len(responses)))
+    name = getattr(reward_fn, "__name__", repr(reward_fn))
+    return checked_scores(results, samples, name=name, indices=indices, errors=errors, where=where)
+
+
+def checked_scores(results, samples, *, name, indices, errors, where):
+    """score_responses' (scores, extras) from score_one's results, one per sample (fewer when a "raise" stopped).
+    extras maps each extra key to one value per sample: None where a sample lacked it, or where its value was a
+    number that is not finite (reported on stderr, one line per call). A failed sample raises RewardError naming
+    the function, where (e.g. "step 3"), the sample's index (`indices`), its data source and the problem (a
+    silently-zero reward would quietly train the policy on a bug); with errors="skip" it scores 0,
+    extras["reward_error"] is 1.0 for it and 0.0 for the others (its mean is the error fraction, its sum the
+    count), and one line per call, with the count and the first problem, goes to stderr."""
     scores, extras, failed, not_finite = [], {}, [], []
 
     def said(i):  # the sample, for messages
         return f"reward function {name}, {sample_place(where, indices[i])} (data_source={safe_repr(samples[i][0])})"
 
-    for i, (value, sample_extras, problem) in enumerate(results):
+    for i, (value, problem) in enumerate(results):
         if problem is not None:
             if errors == "raise":
                 raise RewardError(
                     f"{said(i)}: {problem}. To score such samples 0 and count them, pass --reward-errors skip"
                 )
-            value, sample_extras = 0.0, {}
+            value = (0.0, {})
             failed.append(f"{said(i)}: {problem}")
+        score, sample_extras = value
         for key, v in sample_extras.items():
             if isinstance(v, (int, float)) and not is_finite(v):
                 not_finite.append(f"{said(i)}: {key!r} = {safe_repr(v)}")
@@ -230,14 +232,14 @@ def score_responses(
                 warnings.warn(
                     f"reward function {name} returns {type(v).__name__} values in extra key {key!r}: kept in "
                     "extras, not logged (only numbers are: reward_extra/<key>/mean)",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             extras.setdefault(key, [None] * i).append(v)
         for column in extras.values():  # keep every extras column one entry per sample
             column.extend([None] * (i + 1 - len(column)))
-        scores.append(value)
+        scores.append(score)
     if errors == "skip":
-        extras["reward_error"] = [float(problem is not None) for _, _, problem in results]
+        extras["reward_error"] = [float(problem is not None) for _, problem in results]
         if failed:
             print(
                 f"reward errors: {len(failed)} of {len(scores)} samples scored 0 (--reward-errors skip); the first: {failed[0]}",
@@ -323,9 +325,10 @@ def weighted_score(fns, weights, names, data_source, solution_str, ground_truth,
     change what the next one sees (own_copy)."""
     terms, out = [], {}
     for fn, weight, name in zip(fns, weights, names):
-        value, extras, problem = score_one(fn, data_source, solution_str, *own_copy((ground_truth, extra_info)))
+        result, problem = score_one(fn, (data_source, solution_str, *own_copy((ground_truth, extra_info))))
         if problem is not None:
             raise RewardError(f"{name} {problem}")
+        value, extras = result
         terms.append((name, weight, value))
         out[name] = value
         out.update({f"{name}/{key}": v for key, v in extras.items()})
@@ -397,19 +400,11 @@ def unique_names(bases):
     return names
 
 
-def load_reward_fns_in_process(specs, weights=None):
-    """The reward function for one or more --reward-fn specs, loaded into this process (the reward
-    worker's): the function itself for one spec and no weights, else weighted_reward over all of them,
-    named by reward_names."""
-    if len(specs) == 1 and weights is None:
-        return load_reward_fn(specs[0])
-    return weighted_reward([load_reward_fn(s) for s in specs], weights, reward_names(specs))
-
-
 def load_reward_fns(specs, weights=None, timeout=300.0):
     """The reward function for one or more --reward-fn specs, for score_rows and score_responses: a
-    RewardWorker, which runs load_reward_fns_in_process(specs, weights) in a worker process and gives
-    each call `timeout` seconds (--reward-timeout). Error messages name it "file.function", or
+    RewardWorker, whose worker process loads them (trl_rewards.load_rewards: one verl function as it is, several
+    summed by weighted_reward, TRL's batched ones called their way) and gives each call `timeout` seconds
+    (--reward-timeout). Error messages name it "file.function", or
     "1 * file.f + 0.5 * other.g" for several. Raises RuntimeError, with the file's error, if they
     cannot be loaded.
 
@@ -434,15 +429,16 @@ def load_reward_fns(specs, weights=None, timeout=300.0):
 
 class RewardWorker(Worker):
     """Reward functions ('path/to/file.py:function' specs, summed with `weights` as load_reward_fns
-    does) run in this process's worker: score() returns one (score, extras, problem) per sample. `name`
-    is how error messages call them."""
+    does) run in this process's worker: call(samples) returns score_one's answer for each, ((score, extras),
+    None) or (None, problem). `name` is how error messages call them."""
 
     what, timeout_flag = "reward worker", "--reward-timeout"
 
     def __init__(self, specs, weights=None, timeout=300.0, name="reward function"):
         self.specs, self.weights, self.__name__ = list(specs), weights, name
         load_error = f"--reward-fn {','.join(self.specs)}: could not load the reward functions"
-        # trl_rewards.load_rewards answers verl's functions as load_rewards below does; TRL's batched ones its way
+        # the worker's loader: verl's functions answered by score_one, TRL's batched ones their way. Named by a
+        # string because the worker process imports it; trl_rewards.py imports this file, not the other way round
         super().__init__("trl_rewards:load_rewards", (self.specs, weights), timeout, load_error)
 
     def waiting_on(self, request):
@@ -452,28 +448,10 @@ class RewardWorker(Worker):
         names = [f"{fn} ({os.path.basename(path)})" for path, _, fn in (s.partition(":") for s in specs)]
         return f"reward function{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
-    def score(self, samples, stop_on_error=False):
-        """[(score, extras, problem)] for samples [(data_source, solution_str, ground_truth, extra_info)], in
-        order. problem is None, or says what went wrong (then score and extras are None). With stop_on_error,
-        stops after the first problem: the list is then shorter than `samples`."""
-        results = self.call(samples, stop_on_error)
-        return [(None, None, problem) if problem is not None else (*value, None) for value, problem in results]
-
 
 def is_trl(reward_fn):
     """Whether TRL-style functions are among the reward functions (a RewardWorker whose info names them)."""
     return isinstance(reward_fn, RewardWorker) and bool(getattr(reward_fn, "info", None))
-
-
-def load_rewards(setup):
-    """The reward worker's loader (Worker): the reward function of (specs, weights), and its answer to a
-    sample: ((score, extras), None) or (None, problem), as reward.score_one scores it."""
-    return functools.partial(answer_reward, load_reward_fns_in_process(*setup)), None
-
-
-def answer_reward(fn, sample):
-    score, extras, problem = score_one(fn, *sample)
-    return (None, problem) if problem is not None else ((score, extras), None)
 
 
 def response_text(tokenizer, ids, eos_ids):

@@ -116,8 +116,9 @@ def score_samples(reward, samples, texts, out, *, first, args, device, where="",
     seen = dict(response_ids=out.response_ids, truncated=out.truncated)  # in extra_info (reward.score_rows)
     seen["conversations"] = [t.conversation for t in out.turns] if out.turns else None
     if is_trl(reward_fn):  # TRL-style functions: one call each for the batch (trl_rewards.py)
-        how = dict(errors=args.reward_errors, where=where, step=step)
-        scores, extras = score_rows(reward_fn, samples, texts, first, **seen, **how)
+        scores, extras = score_rows(
+            reward_fn, samples, texts, first, **seen, errors=args.reward_errors, where=where, step=step
+        )
     else:  # verl's: one call per sample, with verl's keyword arguments
         inputs = row_inputs(samples, texts, first, **seen)
         scores, extras = score_responses(reward_fn, **inputs, errors=args.reward_errors, where=where)
@@ -191,64 +192,83 @@ def response_texts(out, tokenizer, eos_ids):
 def collect_rollout(
     engine, train_rows, step, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools=None
 ):
-    """This step's samples on this rank (StepRollout): n responses to each of its prompts, seeded by
-    the prompt's place in the global batch, their texts and rewards (with the overlong punishment).
+    """This step's samples on this rank (StepRollout): n responses to each of its prompts from the engine, seeded
+    by the prompt's place in the global batch, their texts and their rewards (score_samples). With
+    --filter-groups (DAPO's dynamic sampling), filtered_rollout: more batches of prompts until enough groups
+    have rewards that differ."""
+    scoring = dict(tokenizer=tokenizer, reward=reward, eos_ids=eos_ids, tools=tools)  # what the rewards need
+    if args.filter_groups:
+        return filtered_rollout(engine, train_rows, step, args=args, rank=rank, world=world, timing=timing,
+                                device=device, **scoring)  # fmt: skip
+    return generate_and_score(
+        engine, train_rows, step, 0, args=args, rank=rank, world=world, timing=timing, device=device, **scoring
+    )
 
-    With --filter-groups (DAPO's dynamic sampling), groups whose rewards are all equal are dropped and
-    further batches of prompts are generated until prompt_batch_size informative groups are held, or
-    --max-gen-batches ran out: then the step trains on what it has, its informative groups repeated to
-    fill the batch (each counts more; filter/* says so). The groups are dealt out to the ranks in their
-    global order, so 1 and 2 ranks that drew the same samples train on the same groups.
 
-    With --tensor-parallel-size T, the T consecutive ranks of a group run one vLLM engine SPMD
-    (external_launcher): each layer sums the ranks' partial results, so they must submit the same
-    requests, or the engine mixes their sequences (1.3 nats off the policy's log-probs, measured)
-    or its collectives fail. So a group generates its share of the global batch on every one of its
-    ranks, and each rank keeps its part: the prompts, seeds and split over ranks of T = 1."""
+def generate_and_score(
+    engine, train_rows, step, batch, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools
+):
+    """Generation batch `batch` of step `step` on this rank (0, then 1, 2, ... with --filter-groups): its share
+    of the batch's prompts (step_prompts), n responses to each (the engine: vllm_engine.py or hf_engine.py;
+    with --tools, multi-turn conversations), their texts and rewards. A StepRollout."""
+    n, tp = args.group_size, args.tensor_parallel_size  # tp ranks run one engine and generate their group's prompts
+    indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank // tp, world=world // tp)
+    rows = [train_rows[i] for i in indices]
+    with timed(timing, "gen"):
+        engine.wake_up()
+        seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
+        kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
+        kw.update(n=n, seeds=seeds, max_new_tokens=args.max_response_length)
+        if tools is None:
+            out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
+        else:  # multi-turn conversations
+            out = generate(engine, rows, tools, **kw)
+        engine.sleep()
+    if tp > 1:  # every rank of a tensor-parallel group generated the group's prompts: keep this rank's
+        indices, rows, first, out = tensor_parallel_share(indices, rows, first, out, rank=rank, args=args, world=world)
+    with timed(timing, "reward"):
+        samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
+        texts = response_texts(out, tokenizer, eos_ids)
+        place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
+        where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
+        scores, extras = score_samples(
+            reward, samples, texts, out, first=place, args=args, device=device, where=where, step=step
+        )
+    return StepRollout(
+        rows, out.response_ids, out.logprobs, out.truncated, texts, scores, extras, filter_metrics={},
+        model_mask=out.model_mask, turns=out.turns, indices=indices,
+    )  # fmt: skip
+
+
+def tensor_parallel_share(indices, rows, first, out, *, rank, args, world):
+    """This rank's part of its tensor-parallel group's generation: (indices, rows, place of the first prompt,
+    Rollout). With --tensor-parallel-size T, the T consecutive ranks of a group run one vLLM engine SPMD
+    (external_launcher): each layer sums the ranks' partial results, so they must submit the same requests, or
+    the engine mixes their sequences (1.3 nats off the policy's log-probs, measured) or its collectives fail.
+    So a group generates its share of the global batch on every one of its ranks, and each rank keeps its part:
+    the prompts, seeds and split over ranks of T = 1."""
+    local = args.prompt_batch_size // world
+    kept = slice(rank % args.tensor_parallel_size * local, (rank % args.tensor_parallel_size + 1) * local)
+    return indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, args.group_size)
+
+
+def filtered_rollout(engine, train_rows, step, *, args, rank, world, timing, device, **scoring):
+    """--filter-groups (DAPO's dynamic sampling): groups whose rewards are all equal are dropped and further
+    generation batches (generate_and_score) are made until prompt_batch_size informative groups are held, or
+    --max-gen-batches ran out: then the step trains on what it has, its informative groups repeated to fill
+    the batch (each counts more; filter/* says so). The groups are dealt out to the ranks in their global
+    order, so 1 and 2 ranks that drew the same samples train on the same groups. A StepRollout."""
     n, local, pool = args.group_size, args.prompt_batch_size // world, {}
-    tp = args.tensor_parallel_size
-    kept = slice(rank % tp * local, (rank % tp + 1) * local)  # this rank's prompts of its group's
-    for batch in range(args.max_gen_batches if args.filter_groups else 1):
-        indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank // tp, world=world // tp)
-        rows = [train_rows[i] for i in indices]
-        with timed(timing, "gen"):
-            engine.wake_up()
-            kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
-            seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
-            kw.update(n=n, seeds=seeds, max_new_tokens=args.max_response_length)
-            if tools is None:
-                out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
-            else:  # multi-turn conversations
-                out = generate(engine, rows, tools, **kw)
-            engine.sleep()
-        indices, rows, first, out = indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, n)
-        with timed(timing, "reward"):
-            samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
-            texts = response_texts(out, tokenizer, eos_ids)
-            place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
-            where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
-            scores, extras = score_samples(
-                reward, samples, texts, out, first=place, args=args, device=device, where=where, step=step
-            )
-        if not args.filter_groups:
-            return StepRollout(
-                rows,
-                out.response_ids,
-                out.logprobs,
-                out.truncated,
-                texts,
-                scores,
-                extras,
-                {},
-                out.model_mask,
-                out.turns,
-                indices,
-            )
+    for batch in range(args.max_gen_batches):
+        ro = generate_and_score(
+            engine, train_rows, step, batch, args=args, rank=rank, world=world, timing=timing, device=device, **scoring
+        )
         # every rank's samples, as columns in global order, added to those of earlier batches
-        mine = dict(row=[i for i in indices for _ in range(n)], ids=out.response_ids, text=texts, score=scores)
-        mine.update(truncated=out.truncated, logp=out.logprobs or [[]] * len(texts))
-        mine.update(model_mask=out.model_mask or [[]] * len(texts), turns=out.turns or [None] * len(texts))
-        mine["extra"] = [{k: v[i] for k, v in extras.items()} for i in range(len(texts))]  # keys may differ by rank
+        texts = ro.texts
+        mine = dict(row=[i for i in ro.indices for _ in range(n)], ids=ro.response_ids, text=texts, score=ro.scores)
+        mine.update(truncated=ro.truncated, logp=ro.logprobs or [[]] * len(texts))
+        mine.update(model_mask=ro.model_mask or [[]] * len(texts), turns=ro.turns or [None] * len(texts))
+        mine["extra"] = [{k: v[i] for k, v in ro.extras.items()} for i in range(len(texts))]  # keys may differ by rank
         pool = {k: pool.get(k, []) + sum((part[k] for part in all_gather(mine)), []) for k in mine}
         groups = [pool["score"][g : g + n] for g in range(0, len(pool["score"]), n)]
         informative = [g for g, group in enumerate(groups) if len(set(group)) > 1]
@@ -262,7 +282,7 @@ def collect_rollout(
     metrics = {"filter/kept_groups": min(len(informative), args.prompt_batch_size)}
     metrics.update({"filter/dropped_groups": len(uninformative), "filter/gen_batches": batch + 1})
     rows, logprobs = [train_rows[i] for i in mine["row"][::n]], mine["logp"] if args.engine_logprobs else []
-    multi = tools is not None  # the multi-turn columns
+    multi = scoring["tools"] is not None  # the multi-turn columns
     return StepRollout(
         rows,
         mine["ids"],

@@ -15,11 +15,11 @@ from eval import validate_step
 from rollout import collect_rollout, start_engine
 
 
-def run(args, placement, rank, world, device):
+def run(args, split, rank, world, device):
     """Generate for the trainers; rank and world are this rank's within the rollout side."""
     here = startup.ranks_here()
     mesh, dtype, _ = startup.start(args, world, device)
-    args = placement.bridge.recv(0, rollout_ranks.START, "the run's flags")  # the demo's paths, the dtype
+    args = split.bridge.recv(0, rollout_ranks.START, "the run's flags")  # the demo's paths, the dtype
     tokenizer, _, eos_ids, tools = startup.tokenizer_and_tools(args)
     train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
     reward_fn = startup.reward_fn(args, train_rows, val_rows)
@@ -34,5 +34,5 @@ def run(args, placement, rank, world, device):
     else:  # a step's share at a time
         collect = partial(collect_rollout, engine, train_rows, rank=rank, world=world, tools=tools, **scoring)
         serve = partial(rollout_ranks.serve, collect=collect)
-    serve(placement, engine, args=args, total_steps=total_steps, validate=validate, rank=rank)
+    serve(split, engine, args=args, total_steps=total_steps, validate=validate, rank=rank)
     startup.close(engine, tools)

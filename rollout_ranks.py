@@ -88,7 +88,7 @@ class Bridge:
 
 
 @dataclasses.dataclass
-class Placement:
+class RankSplit:
     rank: int  # among all W ranks
     trainers: int  # N
     rollout_ranks: int  # K
@@ -100,7 +100,7 @@ class Placement:
 
 
 def init(rollout_ranks, timeout):
-    """Join this rank's side; returns (Placement, its rank and world size within its side, its device)."""
+    """Join this rank's side; returns (RankSplit, its rank and world size within its side, its device)."""
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout)))
     trainers, wait = world - rollout_ranks, datetime.timedelta(seconds=timeout)
@@ -123,7 +123,7 @@ def init(rollout_ranks, timeout):
         group = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), bridge_rank, size, wait)
         weights = weights_group(dist.PrefixStore("weights", store), bridge_rank, size, device, group, wait)
         bridge = Bridge(group, timeout, *weights)
-    return Placement(rank, trainers, rollout_ranks, bridge), side_rank, side_world, device
+    return RankSplit(rank, trainers, rollout_ranks, bridge), side_rank, side_world, device
 
 
 def weights_group(store, rank, size, device, bridge, wait):
@@ -165,10 +165,10 @@ def validation_due(version, args, total_steps, fresh):
 # The rollout side
 
 
-def serve(placement, engine, *, args, total_steps, collect, validate, rank):
+def serve(split, engine, *, args, total_steps, collect, validate, rank):
     """A rollout rank's whole run: take each version of the weights as it comes, generate every step's
     share of the rollout as soon as the version it is due from is held, validate when due."""
-    bridge, S = placement.bridge, args.max_staleness
+    bridge, S = split.bridge, args.max_staleness
     start = bridge.recv(0, START, "where to start")  # after the trainers resumed
     if start == STOP:  # the run had already finished
         return
@@ -257,11 +257,11 @@ class Trainers:
     send weights. Every trainer rank calls each method (they are collectives among the trainers);
     only trainer rank 0 talks to the rollout ranks."""
 
-    def __init__(self, placement, *, rank, world, args, train_rows):
-        self.placement, self.bridge, self.rank, self.world = placement, placement.bridge, rank, world
-        self.args, self.train_rows, self.receivers = args, train_rows, range(1, placement.rollout_ranks + 1)
+    def __init__(self, split, *, rank, world, args, train_rows):
+        self.split, self.bridge, self.rank, self.world = split, split.bridge, rank, world
+        self.args, self.train_rows, self.receivers = args, train_rows, range(1, split.rollout_ranks + 1)
         self.probe = None  # weight_sync's probe: dict(ids, pad_id, device)
-        self.share = args.prompt_batch_size // placement.rollout_ranks  # a rollout rank's prompts per step
+        self.share = args.prompt_batch_size // split.rollout_ranks  # a rollout rank's prompts per step
         self.held = {}  # (rollout rank, step) -> [(place, plain group(s), weight loads)] received ahead of use
 
     def broadcast(self, obj):
@@ -342,21 +342,21 @@ class Trainers:
             self.bridge.flush()
 
 
-def send_flags(placement, args):
+def send_flags(split, args):
     """Trainer rank 0 sends the flags as the trainers resolved them to every rollout rank (rollout_rank.run)."""
-    if placement.rank == 0:
-        for r in range(1, placement.rollout_ranks + 1):
-            placement.bridge.send(args, r, START)
+    if split.rank == 0:
+        for r in range(1, split.rollout_ranks + 1):
+            split.bridge.send(args, r, START)
 
 
 @contextlib.contextmanager
-def stopped_if_exiting(placement):
+def stopped_if_exiting(split):
     """Trainer rank 0 tells the rollout ranks to stop (before they start) if the block exits the process."""
     try:
         yield
     except SystemExit:
-        if placement and placement.rank == 0:
-            for r in range(1, placement.rollout_ranks + 1):
-                placement.bridge.send(STOP, r, START)
-            placement.bridge.flush()
+        if split and split.rank == 0:
+            for r in range(1, split.rollout_ranks + 1):
+                split.bridge.send(STOP, r, START)
+            split.bridge.flush()
         raise

@@ -21,14 +21,14 @@ from run_log import timed
 from weight_sync import probe_ids, sync_and_check
 
 
-def make(placement, engine, policy_dtype, *, total_steps, **inputs):
-    """The source for this run's placement; inputs: Colocated's keywords (RolloutRanks takes a few of them)."""
+def make(split, engine, policy_dtype, *, total_steps, **inputs):
+    """The source for this run's placement (split: None, or --rollout-ranks' rollout_ranks.RankSplit); inputs: Colocated's keywords (RolloutRanks takes a few of them)."""
     args = inputs["args"]
-    ahead = RolloutsAhead(args.max_staleness, total_steps)
-    if placement:
+    made_ahead = RolloutsAhead(args.max_staleness, total_steps)
+    if split:
         keep = ("args", "train_rows", "pad_id", "rank", "world", "device")
-        return RolloutRanks(placement, ahead, policy_dtype, **{k: inputs[k] for k in keep})
-    return Colocated(engine, ahead, policy_dtype, **inputs)
+        return RolloutRanks(split, made_ahead, policy_dtype, **{k: inputs[k] for k in keep})
+    return Colocated(engine, made_ahead, policy_dtype, **inputs)
 
 
 class Colocated:
@@ -37,7 +37,7 @@ class Colocated:
     def __init__(
         self,
         engine,
-        ahead,
+        made_ahead,
         dtype,
         *,
         args,
@@ -52,7 +52,13 @@ class Colocated:
         world,
         device,
     ):
-        self.engine, self.ahead, self.dtype, self.args, self.train_rows = engine, ahead, dtype, args, train_rows
+        self.engine, self.made_ahead, self.dtype, self.args, self.train_rows = (
+            engine,
+            made_ahead,
+            dtype,
+            args,
+            train_rows,
+        )
         self.inputs = dict(tokenizer=tokenizer, eos_ids=eos_ids, tools=tools)
         self.val_rows, self.reward, self.rank, self.world, self.device = val_rows, reward, rank, world, device
         self.probe = dict(probe=probe_ids(train_rows), pad_id=pad_id, device=device)
@@ -62,8 +68,8 @@ class Colocated:
         """Step `step`'s rollout, generating it (and with S >= 1 those up to step + S) if not held yet."""
         how = dict(args=self.args, rank=self.rank, world=self.world, reward=self.reward, device=self.device)
         make = partial(collect_rollout, self.engine, self.train_rows, timing=timing, **how, **self.inputs)
-        if self.args.max_staleness or self.ahead.ready:  # made ahead, or held by the checkpoint resumed
-            return self.ahead.take(step, make)
+        if self.args.max_staleness or self.made_ahead.ready:  # made ahead, or held by the checkpoint resumed
+            return self.made_ahead.take(step, make)
         ro = make(step)  # the synchronous loop: the engine holds version step - 1
         ro.versions = [step - 1] * len(ro.response_ids)
         return ro
@@ -94,16 +100,18 @@ class Colocated:
         shared = {"rollout/weights_shared": 1.0} if getattr(self.engine, "shares_policy", False) else {}
         if not self.args.max_staleness:
             return shared
-        return shared | self.ahead.staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
+        return (
+            shared | self.made_ahead.staleness | ({"rollout/weight_sync_gap": self.gap} if self.gap is not None else {})
+        )
 
     def start(self, step):
         pass  # the engine is this rank's: nothing to tell
 
     def state(self, done):
-        return self.ahead.state(done)
+        return self.made_ahead.state(done)
 
     def load(self, saved):
-        self.ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
+        self.made_ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
 
     def close(self, early):
         pass  # the engine is closed with the run (startup.close)
@@ -113,21 +121,21 @@ class RolloutRanks:
     """The rollout ranks generate and score; the trainers receive each step's rollout and send the weights
     (rollout_ranks.Trainers: collectives among the trainers; trainer rank 0 talks to the rollout ranks)."""
 
-    def __init__(self, placement, ahead, dtype, *, args, train_rows, pad_id, rank, world, device):
-        self.ahead, self.dtype, self.args, self.train_rows, self.rank, self.world = (
-            ahead,
+    def __init__(self, split, made_ahead, dtype, *, args, train_rows, pad_id, rank, world, device):
+        self.made_ahead, self.dtype, self.args, self.train_rows, self.rank, self.world = (
+            made_ahead,
             dtype,
             args,
             train_rows,
             rank,
             world,
         )
-        self.remote = Trainers(placement, rank=rank, world=world, args=args, train_rows=train_rows)
+        self.remote = Trainers(split, rank=rank, world=world, args=args, train_rows=train_rows)
         self.remote.probe = dict(ids=probe_ids(train_rows), pad_id=pad_id, device=device)
 
     def take(self, step, timing):
         with timed(timing, "wait_rollout"):
-            return self.ahead.receive_step(step, self.remote.rollout)
+            return self.made_ahead.receive_step(step, self.remote.rollout)
 
     def publish(self, policy, version):
         self.remote.send_weights(policy, self.dtype, version)
@@ -136,19 +144,19 @@ class RolloutRanks:
         return self.remote.validation(step, log=log)
 
     def metrics(self, ro):  # the gap is the rollout ranks' check of the weights that made `ro`
-        return self.ahead.staleness | (
+        return self.made_ahead.staleness | (
             {"rollout/weight_sync_gap": ro.weight_sync_gap} if ro.weight_sync_gap is not None else {}
         )
 
     def start(self, step):
         """The rollout ranks start from the step after the rollouts held, with step `step`'s weights."""
-        self.remote.start(step, first=max(self.ahead.ready, default=step) + 1)
+        self.remote.start(step, first=max(self.made_ahead.ready, default=step) + 1)
 
     def state(self, done):
-        return self.ahead.state(done)
+        return self.made_ahead.state(done)
 
     def load(self, saved):
-        self.ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
+        self.made_ahead.load(saved, self.train_rows, rank=self.rank, world=self.world, group_size=self.args.group_size)
 
     def close(self, early):
         self.remote.close(early)

@@ -28,6 +28,7 @@ from distributed import all_gather, all_sum, print0, reduce_metrics
 from health import FIRST_STEP
 from multi_turn import turn_counts, turn_metrics
 from trl_rewards import function_metrics
+from weight_sync import check_rollout
 
 # ----------------------------------------------------------------------------------------------
 # A step's metrics, verl's names
@@ -129,12 +130,13 @@ def loss_metrics(stats, device):
     return metrics
 
 
-def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, skipped, timing, args, device):
+def step_metrics(ro, *, step, stats, adv_values, mask, trainer_logp, engine_logp, lr, skipped, timing, args, device):
     """A training step's metrics under verl's names, reduced over ranks: the loss terms (`stats`, one
-    dict per micro-batch), the rollout's rewards, lengths and advantages (`ro`: train_grpo.StepRollout;
+    dict per micro-batch), the rollout's rewards, lengths and advantages (`ro`: rollout.StepRollout;
     `adv_values` per token or per sample; `mask` [N, R]: the model's tokens, before --mask-truncated), the
-    engine-vs-trainer gap ([N, R] log-probs), the phases' times and the throughput; multi-turn, num_turns/*
-    and tool/* (multi_turn.turn_metrics) over every rank's samples."""
+    engine-vs-trainer gap ([N, R] log-probs; weight_sync.check_rollout stops the run if the engine did not
+    sample from the policy), the phases' times and the throughput; multi-turn, num_turns/* and tool/*
+    (multi_turn.turn_metrics) over every rank's samples."""
     prompt_lens = [len(r["prompt_ids"]) for r in ro.rows for _ in range(args.group_size)]
     lengths = [len(ids) for ids in ro.response_ids]
     metrics = {"actor/lr": lr, **loss_metrics(stats, device), **ro.filter_metrics}
@@ -147,6 +149,7 @@ def step_metrics(ro, *, stats, adv_values, mask, trainer_logp, engine_logp, lr, 
         metrics["actor/skipped_updates"] = skipped
     if args.reward_errors == "skip":  # samples whose reward function failed, scored 0: all ranks
         metrics["reward/errors"] = all_sum(sum(ro.extras["reward_error"]), device)
+    check_rollout(trainer_logp, engine_logp, mask, ro.versions, step=step, args=args, device=device)
     if args.engine_logprobs:
         metrics.update(engine_gap_metrics(trainer_logp, engine_logp, mask, device, off_policy=args.max_staleness > 0))
     metrics.update({f"timing_s/{k}": v for k, v in timing.items()})

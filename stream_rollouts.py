@@ -24,13 +24,13 @@ from rollout import sampling_seeds, score_group, step_prompts
 from rollout_ranks import START, STOP, load_weights, receive_weights, send_groups, send_validation, validation_due
 
 
-def serve(placement, engine, *, args, total_steps, validate, rank, world, train_rows, scoring):
+def serve(split, engine, *, args, total_steps, validate, rank, world, train_rows, scoring):
     """A rollout rank's whole run (rollout_ranks.serve's, streamed); scoring: rollout.score_group's keywords."""
     from vllm_engine import Stream, VLLMEngine
 
     if not isinstance(engine, VLLMEngine):
         raise RuntimeError("--stream-rollouts needs the vLLM engine (--rollout vllm): it runs vLLM step by step")
-    bridge, stream, S, n = placement.bridge, Stream(engine), args.max_staleness, args.group_size
+    bridge, stream, S, n = split.bridge, Stream(engine), args.max_staleness, args.group_size
     score = partial(score_group, train_rows, **scoring)  # (index, samples, step=, place=) -> a group's StepRollout
     start = bridge.recv(0, START, "where to start")
     if start == STOP:  # the run had already finished

@@ -56,26 +56,22 @@ from distributed import (
     stop_requested,
 )
 from eval import keep_best
-from loss import micro_batch_loss
-from loss_agg import agg_denominator, loss_agg_for
+from loss import loss_denominator, micro_batch_loss
 from memory import check_update_memory
 from policy import (
     compute_logprobs,
-    diverged_message,
     load_policy,
     make_batch,
+    micro_batch,
     micro_batches,
-    move_optimizer_states,
     reference_logprobs,
     response_logprobs,
     save_hf,
-    update_may_overflow,
-    window,
 )
 from rollout import start_engine
 from run_log import RunLog, end_profile, sample_records, should_stop, start_profile, step_metrics, timed
+from update_guard import MAX_SKIPPED_STEPS, diverged_message, guarded_step
 from user_errors import record_root_cause
-from weight_sync import check_rollout
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
@@ -99,9 +95,11 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
     lora_args = (
         (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
     )
-    how = dict(reference=args.kl_coef > 0, lora_args=lora_args, offload=args.offload in ("params", "both"))
-    how.update(grad_checkpointing=args.grad_checkpointing, compiled=args.compile_blocks)
-    policy, reference = load_policy(args.model, mesh, device, dtype, **how)
+    policy, reference = load_policy(
+        args.model, mesh, device, dtype, reference=args.kl_coef > 0, lora_args=lora_args,
+        offload=args.offload in ("params", "both"), grad_checkpointing=args.grad_checkpointing,
+        compiled=args.compile_blocks,
+    )  # fmt: skip
     teacher = (
         distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
     )
@@ -115,8 +113,10 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
         engine.sleep()
     trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
     kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
-    how = dict(world=world, ranks_here=ranks_here, device=device, kv_cache_gib=kv_cache_gib)
-    check_update_memory(args, policy, trained, frozen=(reference, teacher), **how)  # after they all loaded
+    check_update_memory(  # after they all loaded
+        args, policy, trained, frozen=(reference, teacher), world=world, ranks_here=ranks_here, device=device,
+        kv_cache_gib=kv_cache_gib,
+    )  # fmt: skip
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
     return policy, dict(reference=reference, teacher=teacher), rm, optimizer, scheduler, lora_args, fingerprint
@@ -130,13 +130,13 @@ def logprob_passes(batch, policy, reference, *, args, on_policy, device, timing)
     """Step 5, timed under verl's names: the old log-probs (old_log_prob), recomputed only when the update is not
     exactly on-policy (on-policy the loss uses its own, detached) or a teacher's term needs them, and the frozen
     reference's (ref) with --kl-coef > 0. Sets batch["old_logp"] and batch["ref_logp"]; returns the old ones or None."""
-    how = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
+    passes = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
     with timed(timing, "old_log_prob"):
-        old = compute_logprobs(policy, batch, device=device, **how) if args.teacher or not on_policy else None
+        old = compute_logprobs(policy, batch, device=device, **passes) if args.teacher or not on_policy else None
         batch["old_logp"] = None if on_policy else old
     with timed(timing, "ref"):
         if args.kl_coef > 0:
-            batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **how)
+            batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **passes)
     return old
 
 
@@ -146,47 +146,41 @@ def update_policy(policy, optimizer, batch, *, step, args, world, device):
     Returns (stats: each micro-batch's loss terms, grad_norm on each mini-batch's last; the
     trainer's log-probs of the sampled tokens [N, R]; how many optimizer steps were skipped)."""
     mask = batch["response_mask"]  # [N, R]
-    agg = loss_agg_for(args.loss_mode, args.loss_agg)  # gspo, sapo, geo_mean: a mean over sequences
     mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
     stats, trainer_logp, skipped = [], torch.zeros_like(mask), 0
     policy.train()
     for _ in range(args.ppo_epochs):
         for m0 in range(0, mask.shape[0], mini_local):
             rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
-            # each micro-batch's loss is weighted so the summed gradient is agg_loss over the whole
-            # global mini-batch; FSDP averages gradients over ranks, hence the * world
-            whole = all_sum(agg_denominator(mask[rows], agg), device)
+            whole = all_sum(loss_denominator(mask[rows], args), device)  # the mini-batch's tokens, all ranks'
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
-                view = window(batch, mb)  # only the columns these rows use
-                # [b, r] each; the head and softmax run a block at a time, never the whole [b, r, V]
-                topk = view.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
+            for mb_rows in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
+                mb = micro_batch(batch, mb_rows)  # these rows' tensors, cut to the columns they use
+                topk = mb.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
                 logp, entropy = response_logprobs(
-                    policy, view, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
-                )
-                loss, terms, old = micro_batch_loss(logp, entropy, view, agg=agg, args=args)
+                    policy, mb, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
+                )  # [b, r] each
+                loss, terms, old = micro_batch_loss(logp, entropy, mb, args=args, whole=whole, world=world)
                 if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
-                    trainer_logp[mb, : old.shape[1]] = old.float().cpu()
-                piece = agg_denominator(view["response_mask"], agg)
-                (loss * (piece / max(whole, 1) * world)).backward()
-                crash_point("update", step)
+                    trainer_logp[mb_rows, : old.shape[1]] = old.float().cpu()
+                loss.backward()  # weighted: the micro-batches' gradients add up to the mini-batch's
                 stats.append(terms)
             grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)).item()
-            if not math.isfinite(grad_norm):
-                skipped += 1
-                print0(f"step {step}: gradient norm is {grad_norm}; skipping this optimizer step")
-            elif why := update_may_overflow(optimizer):  # a non-finite or runaway weight is never written or synced
-                skipped += 1
-                print0(f"step {step}: {why}; skipping it")
-            elif args.offload == "optimizer":  # the moments visit the GPU for the step only
-                move_optimizer_states(optimizer, device)
-                optimizer.step()
-                move_optimizer_states(optimizer, "cpu")
-            else:
-                optimizer.step()
+            skipped += not guarded_step(optimizer, grad_norm, step=step, offload=args.offload, device=device)
             optimizer.zero_grad(set_to_none=True)
             stats[-1]["grad_norm"] = grad_norm
     return stats, trainer_logp, skipped
+
+
+def abandoned(step, rng_before, device):
+    """Whether SIGTERM or SIGINT asked to stop during step `step`'s rollout (the signal, or None). The update has
+    not started, so the step is abandoned as if it had never begun: the random generators go back to
+    `rng_before`, the step's start, which a checkpoint of step - 1 holds."""
+    crash_point("rollout", step)  # the kill -9 and SIGTERM tests stop a run here
+    asked = stop_requested(device)
+    if asked:
+        rng.set_state(rng_before)
+    return asked
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,11 +251,11 @@ def save_final(args, policy, tokenizer, *, done, dtype, lora_args, rank):
 def main():
     args = parse_args()
     console.quiet(args.verbose)
-    placement = None  # --rollout-ranks K: the last K ranks only generate (rollout_rank.py)
+    split = None  # --rollout-ranks K: the last K ranks only generate (rollout_rank.py)
     if args.rollout_ranks:
-        placement, rank, world, device = rollout_ranks.init(args.rollout_ranks, args.collective_timeout)
-        if placement.generates:
-            return rollout_rank.run(args, placement, rank, world, device)
+        split, rank, world, device = rollout_ranks.init(args.rollout_ranks, args.collective_timeout)
+        if split.generates:
+            return rollout_rank.run(args, split, rank, world, device)
     else:
         rank, world, device = init_distributed(args.collective_timeout)
     ranks_here = startup.ranks_here()
@@ -269,30 +263,31 @@ def main():
     resume_from, run_lock = run_dir.claim(args, rank)  # noqa: F841 (held until the process exits)
     data_prep.demo_inputs(args, rank)  # the demo makes its own model and data
     startup.check_inputs(args)
-    if placement:  # the flags as resolved here (the demo's paths, the dtype) to the rollout ranks
-        rollout_ranks.send_flags(placement, args)
+    if split:  # the flags as resolved here (the demo's paths, the dtype) to the rollout ranks
+        rollout_ranks.send_flags(split, args)
     config = dataclasses.asdict(args)
     print0(f"compute dtype: {args.dtype} ({why})")
     print0(console.config_line(config, dataclasses.asdict(Args()), os.path.join(args.out_dir, "config.json")))
     tokenizer, pad_id, eos_ids, tools = startup.tokenizer_and_tools(args)
     train_rows, val_rows, total_steps = startup.read_data(args, tokenizer, tools)
     if resume_from:  # a finished run ends here, before the engine loads
-        with rollout_ranks.stopped_if_exiting(placement):
+        with rollout_ranks.stopped_if_exiting(split):
             run_dir.end_if_finished(resume_from, args, total_steps, rank)
-    reward_fn = startup.reward_fn(args, train_rows, val_rows, scores=placement is None)  # rollout ranks: they score
+    reward_fn = startup.reward_fn(args, train_rows, val_rows, scores=split is None)  # rollout ranks: they score
 
     # ---------------- the engine first (it sets the process's thread count), then the policy
-    engine = None if placement else start_engine(args, world, ranks_here, device, dtype)
+    engine = None if split else start_engine(args, world, ranks_here, device, dtype)
     kv = getattr(engine, "kv_cache_tokens", None)
     print0(f"rollout engine: {type(engine).__name__ if engine else f'on the {args.rollout_ranks} rollout ranks'}"
            + (f", KV cache of {kv:,} tokens" if kv else ""))  # fmt: skip
     catch_stop_signals()  # after the engine, which may set handlers of its own: SIGTERM/SIGINT now stop politely
-    how = dict(world=world, ranks_here=ranks_here, total_steps=total_steps)
-    policy, frozen, rm, optimizer, scheduler, lora_args, fingerprint = load_trainer(args, mesh, device, dtype, engine, **how)  # fmt: skip
-    # where each step's rollout comes from: this rank's engine, or the rollout ranks (rollout_source.py)
-    source = rollout_source.make(placement, engine, dtype, args=args, train_rows=train_rows, val_rows=val_rows,
-                                 tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, tools=tools,
-                                 pad_id=pad_id, rank=rank, world=world, device=device, total_steps=total_steps)  # fmt: skip
+    policy, frozen, rm, optimizer, scheduler, lora_args, fingerprint = load_trainer(
+        args, mesh, device, dtype, engine, world=world, ranks_here=ranks_here, total_steps=total_steps
+    )
+    # where each step's rollouts come from: this rank's engine (rollout.collect_rollout), or the rollout ranks
+    rollouts = rollout_source.make(split, engine, dtype, args=args, train_rows=train_rows, val_rows=val_rows,
+                                   tokenizer=tokenizer, reward=(reward_fn, rm), eos_ids=eos_ids, tools=tools,
+                                   pad_id=pad_id, rank=rank, world=world, device=device, total_steps=total_steps)  # fmt: skip
 
     # ---------------- the run's log, and resume: the newest complete checkpoint, unless told otherwise
     monitor = health.Monitor(bands.parse_bands(args.health_bands), total_steps, config)
@@ -300,21 +295,21 @@ def main():
     checkpointer = checkpoint.Checkpointer(args.out_dir, args.max_ckpt_to_keep, args.async_save) if args.save_freq > 0 else None  # fmt: skip
     save = partial(checkpoint.save_run, checkpointer,  # save(step): all a run needs to go on exactly after `step`
                    args=args, train_rows=train_rows, policy=policy, config=config, optimizer=optimizer,
-                   scheduler=scheduler, log=log, tokenizer=tokenizer, ahead=source, fingerprint=fingerprint)  # fmt: skip
+                   scheduler=scheduler, log=log, tokenizer=tokenizer, rollouts=rollouts, fingerprint=fingerprint)  # fmt: skip
     start_step, history = 0, []
     if resume_from:
         start_step, history, saved_rollouts = checkpoint.resume_run(
             resume_from, policy, optimizer, scheduler, args=args, fingerprints=fingerprint
         )
-        source.load(saved_rollouts)
+        rollouts.load(saved_rollouts)
     levels = Curriculum(args, train_rows, val_rows, tokenizer, history)  # --curriculum: each task's level, as it was
-    source.start(start_step)
+    rollouts.start(start_step)
     if resume_from:
-        source.publish(policy, version=start_step)
+        rollouts.publish(policy, version=start_step)
         print0(f"resumed from {resume_from} at step {start_step}")
     log.start(config, history, start_step, total_steps)
     if args.val_before_train and args.test_freq > 0 and start_step == 0:
-        log.log(0, source.validation(0, log))
+        log.log(0, rollouts.validation(0, log))
         keep_best(log.history, args, policy, tokenizer, rank)
 
     # ---------------- the loop
@@ -328,13 +323,9 @@ def main():
         epoch = (step - 1) // (len(train_rows) // args.prompt_batch_size)
         rng_before = rng.get_state()  # what a checkpoint of step - 1 holds, if this step is abandoned
 
-        # ---- rollout and reward: n responses per prompt (with --filter-groups, until enough groups differ);
-        # with --max-staleness S, made S steps ahead, by the policy of S updates ago (async_rollout.py)
-        ro = source.take(step, timing)  # raises if any sample is older than --max-staleness allows
-        crash_point("rollout", step)
-        asked = stop_requested(device)
-        if asked:  # the update has not started: abandon this step, as if it had never begun
-            rng.set_state(rng_before)
+        # ---- rollout and reward: n responses per prompt from the engine, scored (rollout.collect_rollout)
+        ro = rollouts.take(step, timing)
+        if asked := abandoned(step, rng_before, device):  # SIGTERM or SIGINT before the update
             break
         samples = [r for r in ro.rows for _ in range(args.group_size)]  # prompt-major, like the rollout
 
@@ -342,11 +333,14 @@ def main():
         batch, advantages, mask = training_batch(ro, samples, args, pad_id, device)
 
         # ---- old and reference log-probs; with --teacher, the teacher's term joins each token's advantage
-        how = dict(args=args, device=device, timing=timing)
-        old = logprob_passes(batch, policy, frozen["reference"], on_policy=on_policy, **how)
+        old = logprob_passes(
+            batch, policy, frozen["reference"], on_policy=on_policy, args=args, device=device, timing=timing
+        )
         distilled = {}  # distill/*
         if args.teacher:
-            advantages, distilled = distill.teacher_term(batch, policy, frozen["teacher"], old, samples=samples, **how)
+            advantages, distilled = distill.teacher_term(
+                batch, policy, frozen["teacher"], old, samples=samples, args=args, device=device, timing=timing
+            )
 
         # ---- policy update: ppo_epochs x mini-batches x micro-batches
         with timed(timing, "update_actor"):
@@ -356,27 +350,26 @@ def main():
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
         skipped_steps = skipped_steps + 1 if skipped == optimizer_steps else 0
-        # the engine drew the samples from the policy: its log-probs are the trainer's (weight_sync.py)
-        check_rollout(trainer_logp, batch["engine_logp"], mask, ro.versions, step=step, args=args, device=device)
 
         # ---- the new weights to whoever generates
         with timed(timing, "update_weights"):
-            source.publish(policy, version=step)
+            rollouts.publish(policy, version=step)
         timing["step"] = time.perf_counter() - t_step
         end_profile(profiler, step, args, rank)
 
         # ---- metrics, verl's names, reduced over ranks
         adv_values = advantages[mask.bool()] if advantages.dim() == 2 else advantages  # per token, or per sample
-        how = dict(stats=stats, adv_values=adv_values, mask=mask, trainer_logp=trainer_logp, lr=lr, skipped=skipped)
-        metrics = step_metrics(ro, engine_logp=batch["engine_logp"], timing=timing, args=args, device=device, **how)
+        metrics = step_metrics(ro, step=step, stats=stats, adv_values=adv_values, mask=mask, trainer_logp=trainer_logp,
+                               engine_logp=batch["engine_logp"], lr=lr, skipped=skipped, timing=timing, args=args,
+                               device=device)  # fmt: skip
         metrics["training/epoch"] = epoch
         metrics.update(ro.remote_metrics | distilled)  # the rollout ranks' times, overlapped; distill/*
-        metrics.update(source.metrics(ro))
+        metrics.update(rollouts.metrics(ro))
 
         # ---- validate, log, keep the best policy
         if args.test_freq > 0 and (step % args.test_freq == 0 or step == total_steps):
             with timed(timing, "testing"):
-                metrics.update(source.validation(step, log))
+                metrics.update(rollouts.validation(step, log))
             metrics["timing_s/testing"] = timing["testing"]
         if args.curriculum:  # after a validation, a task at the threshold goes up a level
             metrics.update(levels.step(step, metrics))
@@ -404,9 +397,9 @@ def main():
             log.write(f"early stop at step {step}: {args.early_stop_metric} has not improved for {patience}")
             break
     if asked and done < total_steps and not stop:  # SIGTERM or SIGINT: keep what was done, exit non-zero
-        how = dict(total_steps=total_steps, args=args, checkpointer=checkpointer, save=save, log=log, rank=rank)
-        message = stopped_early(asked, done, saved, **how)
-        startup.close(engine, tools, source, early=True)
+        message = stopped_early(asked, done, saved, total_steps=total_steps, args=args, checkpointer=checkpointer,
+                                save=save, log=log, rank=rank)  # fmt: skip
+        startup.close(engine, tools, rollouts, early=True)
         record_root_cause(message)
         print0(message)
         sys.exit(128 + asked)  # the shell's convention for "ended by this signal": 143 for SIGTERM
@@ -414,10 +407,7 @@ def main():
         checkpointer.wait()  # a background save must finish before we exit
     log.close()
     save_final(args, policy, tokenizer, done=done, dtype=dtype, lora_args=lora_args, rank=rank)
-    startup.close(engine, tools, source, early=done < total_steps)
-
-
-MAX_SKIPPED_STEPS = 3  # steps in a row whose every update was skipped: the run has diverged; stop
+    startup.close(engine, tools, rollouts, early=done < total_steps)
 
 
 if __name__ == "__main__":

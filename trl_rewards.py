@@ -137,21 +137,22 @@ def check_data(reward_fn, rows, data):
 
 
 def load_rewards(setup):
-    """The reward worker's loader (reward_worker.Worker) for (specs, weights): verl's answer, reward.answer_reward,
-    when every function is verl's; else answer_batch, with (names, kinds, weights) sent back as the worker's info."""
+    """The reward worker's loader (reward_worker.Worker) for (specs, weights): verl's answer, reward.score_one, when
+    every function is verl's (one as it is, several summed by reward.weighted_reward); else answer_batch, with
+    (names, kinds, weights) sent back as the worker's info."""
     specs, weights = setup
     fns = [reward.load_reward_fn(s) for s in specs]
     kinds = ["trl" if is_batched(fn) else "verl" for fn in fns]
     for spec, fn, kind in zip(specs, fns, kinds):
         if kind == "verl":
             check_verl_arguments(spec, fn)
-    if "trl" not in kinds:  # what reward.load_reward_fns_in_process makes, from the functions loaded once
+    if "trl" not in kinds:
         one = (
             fns[0]
             if len(fns) == 1 and weights is None
             else reward.weighted_reward(fns, weights, reward.reward_names(specs))
         )
-        return functools.partial(reward.answer_reward, one), None
+        return functools.partial(reward.score_one, one), None
     weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(fns):
         raise ValueError(f"{len(weights)} reward weights for {len(fns)} reward functions; give one per --reward-fn")
@@ -171,8 +172,8 @@ def answer_batch(fns, kinds, request):
     if kinds[i] == "verl":
         values, problems = [], {}
         for j, sample in enumerate(batch["verl_samples"]):
-            value, _, problem = reward.score_one(fn, *sample)
-            values.append(value)
+            result, problem = reward.score_one(fn, sample)
+            values.append(None if result is None else result[0])
             if problem:
                 problems[j] = problem
         return (values, problems, {}), None

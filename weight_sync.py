@@ -16,6 +16,7 @@ against transformers), so in bf16 only a gross fault shows.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -85,14 +86,23 @@ def check_rollout(trainer_logp, engine_logp, mask, versions, *, step, args, devi
 
 
 def sync_and_check(engine, policy, dtype, *, probe, pad_id, device, version, dtype_name):
-    """Copy the policy's weights (with LoRA, merged) into the engine one full parameter at a time, then
-    check_engine; returns the probe's gap."""
-    expected = trainer_probe(policy, probe, pad_id, device)  # before waking the engine: its GPU memory is free
-    engine.wake_up()  # once for both: on CUDA each wake-up copies the engine's weights back in
-    engine.update_weights(full_parameters(policy, dtype))
-    gap = check_engine(engine, probe, expected, version=version, dtype=dtype_name)
+    """Copy the policy's weights (with LoRA, merged) into the engine one full parameter at a time, under the
+    guard that the engine then serves them (engine_serves). Returns the probe's gap."""
+    with engine_serves(engine, policy, probe, pad_id, device, version=version, dtype=dtype_name) as checked:
+        engine.wake_up()  # once for the copy and the check: on CUDA each wake-up copies the engine's weights back in
+        engine.update_weights(full_parameters(policy, dtype))
     engine.sleep()
-    return gap
+    return checked["gap"]
+
+
+@contextmanager
+def engine_serves(engine, policy, ids, pad_id, device, *, version, dtype):
+    """A weight sync's guard: the trainer's log-probs of the probe `ids` before it (trainer_probe, while the engine
+    sleeps and its GPU memory is free), the engine's after it, awake, compared by check_engine (WeightSyncError
+    when they differ). Yields a dict whose "gap" it fills."""
+    expected, checked = trainer_probe(policy, ids, pad_id, device), {}
+    yield checked
+    checked["gap"] = check_engine(engine, ids, expected, version=version, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------

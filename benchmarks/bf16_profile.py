@@ -47,7 +47,7 @@ def micro_batch():
         for _ in range(8):
             prompts.append(prompt)
             answers.append(torch.randint(100, 40000, (int(torch.randint(8, 33, ())),)).tolist())
-    return policy.window(policy.make_batch(prompts, answers, 0, group=8), list(range(64)))
+    return policy.micro_batch(policy.make_batch(prompts, answers, 0, group=8), list(range(64)))
 
 
 def profile_update(model_dir, dtype, mesh, top):

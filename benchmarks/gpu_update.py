@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import logprobs  # noqa: E402
 import policy  # noqa: E402
 import train_grpo  # noqa: E402
+import update_guard  # noqa: E402
 from cli import parse_args as trainer_args  # noqa: E402
 from distributed import init_distributed  # noqa: E402
 
@@ -87,7 +88,7 @@ def old_add_product(out, a, b):
 
 @torch.no_grad()
 def old_update_may_overflow(optimizer):
-    """policy.update_may_overflow as it was: a device-to-host copy for every weight, gradient and moment."""
+    """update_guard.update_may_overflow as it was: a device-to-host copy for every weight, gradient and moment."""
     zero = bound = torch.zeros((), dtype=torch.float64)
     for group in optimizer.param_groups:
         lr, wd = group["lr"], group.get("weight_decay", 0.0)
@@ -112,7 +113,7 @@ class Setting:
         self.on = set(on)
         logprobs.head_blocks = NEW["head_blocks"] if "head" in self.on else old_head_blocks
         logprobs._add_product = NEW["add_product"] if "head" in self.on else old_add_product
-        train_grpo.update_may_overflow = NEW["overflow"] if "overflow" in self.on else old_update_may_overflow
+        update_guard.update_may_overflow = NEW["overflow"] if "overflow" in self.on else old_update_may_overflow
         for module in model.modules():
             if module is not model and hasattr(module, "set_reshard_after_forward"):
                 module.set_reshard_after_forward("reshard" not in self.on, recurse=False)
@@ -122,7 +123,9 @@ class Setting:
         self.fused = "fused" in self.on and device.type == "cuda"
 
 
-NEW = dict(head_blocks=logprobs.head_blocks, add_product=logprobs._add_product, overflow=policy.update_may_overflow)
+NEW = dict(
+    head_blocks=logprobs.head_blocks, add_product=logprobs._add_product, overflow=update_guard.update_may_overflow
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,29 +250,24 @@ def update(model, opt, batch, targs, device):
 
 def phases(model, opt, batch, targs, device, reps):
     """update_policy's pieces for one mini-batch of one micro-batch, each timed with synchronisation."""
-    from loss import micro_batch_loss
-    from loss_agg import agg_denominator, loss_agg_for
+    from loss import loss_denominator, micro_batch_loss
 
-    agg, out = (
-        loss_agg_for(targs.loss_mode, targs.loss_agg),
-        {k: [] for k in ("forward", "backward", "clip", "overflow", "step")},
-    )
+    out = {k: [] for k in ("forward", "backward", "clip", "overflow", "step")}
     rows = list(range(batch["response_mask"].shape[0]))
+    whole = loss_denominator(batch["response_mask"], targs)
     for i in range(reps + 1):
         marks = [time.perf_counter()]
         opt.zero_grad(set_to_none=True)
-        for mb in policy.micro_batches(batch, rows, targs.micro_batch_size, targs.micro_batch_tokens):
-            view = policy.window(batch, mb)
-            logp, ent = policy.response_logprobs(model, view, device, targs.temperature)
-            loss, _, _ = micro_batch_loss(logp, ent, view, agg=agg, args=targs)
+        for mb_rows in policy.micro_batches(batch, rows, targs.micro_batch_size, targs.micro_batch_tokens):
+            mb = policy.micro_batch(batch, mb_rows)
+            logp, ent = policy.response_logprobs(model, mb, device, targs.temperature)
+            loss, _, _ = micro_batch_loss(logp, ent, mb, args=targs, whole=whole, world=1)
             sync(device), marks.append(time.perf_counter())
-            (
-                loss * agg_denominator(view["response_mask"], agg) / agg_denominator(batch["response_mask"], agg)
-            ).backward()
+            loss.backward()
             sync(device), marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip).full_tensor().item()
         sync(device), marks.append(time.perf_counter())
-        train_grpo.update_may_overflow(opt)
+        update_guard.update_may_overflow(opt)
         sync(device), marks.append(time.perf_counter())
         opt.step()
         sync(device), marks.append(time.perf_counter())

@@ -103,7 +103,7 @@ def memory_table(model, lengths, sequences=2):
     for r in lengths:
         prompts = [torch.randint(0, vocab, (114,), generator=g).tolist() for _ in range(sequences)]
         responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for _ in range(sequences)]
-        view = policy.window(policy.make_batch(prompts, responses, pad_id=0), list(range(sequences)))
+        view = policy.micro_batch(policy.make_batch(prompts, responses, pad_id=0), list(range(sequences)))
         a, b = saved_bytes(plain, model, view), saved_bytes(fused, model, view)
         print(f"| {r} | {a / 2**20:.0f} MiB | {b / 2**20:.1f} MiB | {sequences * r * vocab * 4 / 2**20:.0f} MiB |")
 
@@ -125,7 +125,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (114,), generator=g).tolist() for _ in range(16)]
     responses = [torch.randint(0, vocab, (48,), generator=g).tolist() for _ in range(16)]
-    view = policy.window(policy.make_batch(prompts, responses, pad_id=0), list(range(16)))
+    view = policy.micro_batch(policy.make_batch(prompts, responses, pad_id=0), list(range(16)))
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {params / 1e6:.1f}M parameters, vocabulary {vocab}; 16 x (114 + 48) tokens; threads {torch.get_num_threads()}"

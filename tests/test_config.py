@@ -559,11 +559,10 @@ def test_the_choices_of_a_flag_are_exactly_what_the_code_consumes():
     loss.py or advantage.py must be added to its flag too: --help and check_args read the list here."""
     import advantage
     import loss
-    import loss_agg
 
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(config.Args) if "choices" in f.metadata}
     assert choices["loss_mode"] == loss.LOSS_MODES
-    assert choices["loss_agg"] == loss_agg.AGG_MODES
+    assert choices["loss_agg"] == loss.AGG_MODES
     assert choices["kl_kind"] == tuple(loss.KL_KINDS)
     assert set(choices["distill_loss"]) == set(loss.DISTILL_LOSSES)
     assert choices["adv_estimator"] == advantage.ADV_ESTIMATORS

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from loss import LOSS_MODES, kl_penalty, policy_loss
-from loss_agg import agg_denominator, agg_loss
+from loss import LOSS_MODES, agg_denominator, agg_loss, kl_penalty, policy_loss
 
 # ----------------------------------------------------------------------------------------------
 # KL estimators

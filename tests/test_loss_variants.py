@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from loss import LOSS_MODES, policy_loss
-from loss_agg import SEQ_MEAN_AGG, agg_denominator, loss_agg_for
+from loss import LOSS_MODES, SEQ_MEAN_AGG, agg_denominator, aggregate, loss_agg_for, policy_loss
 from loss_variants import (
+    VARIANTS,
     cispo_policy_loss,
     clip_cov_policy_loss,
     geo_mean_policy_loss,
@@ -23,10 +23,17 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 ADV = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
 
 
-def run(fn, logp_values, adv=ADV, mask=MASK, **kw):
-    """fn(logp, old_logp = 0, adv, mask, **kw) -> (loss, d loss / d logp, metrics as floats)."""
+def run(fn, logp_values, adv=ADV, mask=MASK, agg="token-mean", norm_len=None, **kw):
+    """fn(logp, old_logp = 0, adv, mask, **kw) -> (loss, d loss / d logp, metrics as floats): policy_loss, or a
+    variant's per-token terms aggregated as policy_loss aggregates its mode (`agg`: --loss-agg, which gspo, sapo
+    and geo_mean ignore)."""
     logp = torch.tensor(logp_values, dtype=torch.float64, requires_grad=True)
-    loss, metrics = fn(logp, torch.zeros_like(logp), adv.double(), mask, **kw)
+    old, adv = torch.zeros_like(logp), adv.double()
+    if fn is policy_loss:
+        loss, metrics = fn(logp, old, adv, mask, agg=agg, norm_len=norm_len, **kw)
+    else:
+        mode = next(m for m, f in VARIANTS.items() if f is fn)
+        loss, metrics = aggregate(*fn(logp, old, adv, mask, **kw), mask, loss_agg_for(mode, agg), norm_len)
     loss.backward()
     return loss.item(), logp.grad, {k: float(v) for k, v in metrics.items()}
 

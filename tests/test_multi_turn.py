@@ -283,7 +283,7 @@ def test_tool_tokens_get_no_gradient(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import policy
-    from loss import micro_batch_loss
+    from loss import loss_denominator, micro_batch_loss
     from models import build_tiny_model
     from tasks.digits import TASK_WORDS
 
@@ -294,7 +294,7 @@ def test_tool_tokens_get_no_gradient(tmp_path):
     model_mask = [[1, 1, 0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 1, 1, 1, 1]]
     args = SimpleNamespace(
         tis_cap=0, loss_scale_factor=0, max_response_length=16, clip_low=0.2, clip_high=0.2, clip_c=3.0,
-        loss_mode="vanilla", tau_pos=1.0, tau_neg=1.05, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
+        loss_mode="vanilla", loss_agg="token-mean", tau_pos=1.0, tau_neg=1.05, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
         kl_cov_ratio=2e-4, ppo_kl_coef=0.1, kl_kind="low_var_kl", kl_coef=0.1, entropy_coef=0.01, teacher="",
     )  # fmt: skip
 
@@ -307,11 +307,12 @@ def test_tool_tokens_get_no_gradient(tmp_path):
             near = torch.randn(tool.shape, generator=torch.Generator().manual_seed(1)) * scale
             batch[k] = torch.where(tool, noise * torch.randn(tool.shape), near + (0 if k == "advantages" else base))
         model.zero_grad()
-        view = policy.window(batch, [0, 1, 2])
+        view = policy.micro_batch(batch, [0, 1, 2])
         logp, entropy = policy.response_logprobs(model, view, torch.device("cpu"), 1.0, entropy_grad=True)
         logp.retain_grad()
         entropy.retain_grad()
-        loss, _, _ = micro_batch_loss(logp, entropy, view, agg="token-mean", args=args)
+        whole = loss_denominator(view["response_mask"], args)  # one micro-batch: its loss unweighted
+        loss, _, _ = micro_batch_loss(logp, entropy, view, args=args, whole=whole, world=1)
         loss.backward()
         tool = torch.zeros_like(logp, dtype=torch.bool)
         tool[0, 2:5], tool[2, 1:3] = True, True  # the zeros of model_mask

@@ -36,11 +36,11 @@ def test_micro_batches_skip_padding_and_give_the_same_log_probs(tmp_path):
         assert sorted(sum(parts, [])) == list(range(7))
         if max_tokens:  # packed by length: each micro-batch's padded size stays under the budget
             assert len(parts) > 1 and all(
-                len(mb) == 1 or len(mb) * policy.window(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts
+                len(mb) == 1 or len(mb) * policy.micro_batch(batch, mb)["input_ids"].shape[1] <= 40 for mb in parts
             )
         got = policy.compute_logprobs(model, batch, micro=micro, max_tokens=max_tokens, temperature=1.0, device=CPU)
         torch.testing.assert_close(got * batch["response_mask"], whole * batch["response_mask"], rtol=0, atol=1e-5)
-    view = policy.window(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
+    view = policy.micro_batch(batch, [0, 3])  # prompts of 2 and 5 tokens, responses of 1 and 2
     assert view["input_ids"].shape == (2, 7) and view["responses"].shape == (2, 2)
     # the LM head runs only on the response positions: the same logits as a full forward, sliced
     full = model(
@@ -101,7 +101,7 @@ def test_fused_head_gives_the_logits_paths_log_probs_entropy_and_gradients(tmp_p
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (4, 9, 6)]
     responses = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 2, 7)]
-    view = policy.window(policy.make_batch(prompts, responses, pad_id=0), [0, 1, 2])
+    view = policy.micro_batch(policy.make_batch(prompts, responses, pad_id=0), [0, 1, 2])
     mask = view["response_mask"]
     weights = torch.randn(mask.shape, generator=g)
 
@@ -154,7 +154,7 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
     weights = torch.randn(plain["response_mask"].shape, generator=g)
 
     def run(batch, rows, fused=True):
-        view, mask = policy.window(batch, rows), batch["response_mask"][rows][:, : max(resp_lens[i] for i in rows)]
+        view, mask = policy.micro_batch(batch, rows), batch["response_mask"][rows][:, : max(resp_lens[i] for i in rows)]
         head = model.lm_head.forward
         if not fused:  # a head we cannot fuse takes the logits path
             model.lm_head.forward = lambda h: torch.nn.functional.linear(h, model.lm_head.weight)
@@ -173,11 +173,11 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
             for name in want[2]:
                 torch.testing.assert_close(got[2][name], want[2][name], atol=1e-5, rtol=0, msg=name)
-    one = policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0, group=n), [0, 1, 2])  # r = 1: one forward
+    one = policy.micro_batch(policy.make_batch(prompts[:n], [[5]] * n, 0, group=n), [0, 1, 2])  # r = 1: one forward
     torch.testing.assert_close(
         policy.response_logprobs(model, one, CPU, 1.0)[0],
         policy.response_logprobs(
-            model, policy.window(policy.make_batch(prompts[:n], [[5]] * n, 0), [0, 1, 2]), CPU, 1.0
+            model, policy.micro_batch(policy.make_batch(prompts[:n], [[5]] * n, 0), [0, 1, 2]), CPU, 1.0
         )[0],
     )
     # micro-batches hold whole groups: by size (at least one group), and by tokens (a prompt per group)
@@ -188,7 +188,7 @@ def test_shared_prompts_give_the_full_sequences_log_probs_entropy_and_gradients(
     packed = policy.micro_batches(shared, rows, 99, 40)
     assert sorted(sum(packed, [])) == rows and all(len(mb) % n == 0 and mb[0] % n == 0 for mb in packed)
     for mb in packed:
-        view = policy.window(shared, mb)
+        view = policy.micro_batch(shared, mb)
         cost = len(mb) // n * view["prompt_width"] + len(mb) * view["responses"].shape[1]
         assert len(mb) == n or cost <= 40
     got = policy.compute_logprobs(model, shared, micro=99, max_tokens=40, temperature=1.0, device=CPU)
@@ -239,7 +239,7 @@ def grad_case(rows):
     responses = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (5, 2, 7, 4)]
     batch = policy.make_batch(prompts, responses, pad_id=0)
     weights = torch.randn(batch["response_mask"].shape, generator=g)
-    view = policy.window(batch, rows)
+    view = policy.micro_batch(batch, rows)
     return view, weights[rows, : view["response_mask"].shape[1]]
 
 
@@ -291,7 +291,7 @@ def test_activation_memory_per_token_predicts_a_micro_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 20, (20,), generator=g).tolist() for _ in range(4)]
     responses = [torch.randint(3, 20, (30,), generator=g).tolist() for _ in range(4)]
-    view = policy.window(policy.make_batch(prompts, responses, pad_id=0), [0, 1, 2, 3])
+    view = policy.micro_batch(policy.make_batch(prompts, responses, pad_id=0), [0, 1, 2, 3])
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
 

@@ -151,7 +151,7 @@ def main_function(path):
 
 
 def test_the_training_loop_never_asks_where_rollouts_come_from():
-    """train_grpo.main's loop takes each step's rollout from the rollout source (rollout_source.py) and
+    """train_grpo.main's loop takes each step's rollout from the rollout source, `rollouts` (rollout_source.py), and
     names no placement: a new placement is a new source, and no line of the loop changes. main itself stays
     a story one reads in one sitting: at most 150 non-blank lines, in a file of at most 380."""
     path = os.path.join(REPO, "train_grpo.py")
@@ -159,7 +159,7 @@ def test_the_training_loop_never_asks_where_rollouts_come_from():
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For))
     names = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)}
     assert not names & {"placement", "remote", "engine", "ahead", "rollout_ranks", "stream_rollouts"}, names
-    assert "source" in names
+    assert "rollouts" in names
     lines = open(path).read().splitlines()[main.lineno - 1 : main.end_lineno]
     assert sum(1 for line in lines if line.strip()) <= 150
     assert non_blank(path) <= 380

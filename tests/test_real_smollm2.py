@@ -84,7 +84,7 @@ def test_smollm2_shared_prompts_give_the_whole_sequences_numbers(smollm2_model, 
     got = {}
     for group in (1, n):
         batch = policy.make_batch([p for p in prompts for _ in range(n)], responses, tok.pad_token_id, group)
-        view = policy.window(batch, list(range(3 * n)))
+        view = policy.micro_batch(batch, list(range(3 * n)))
         model.zero_grad()
         logp, entropy = policy.response_logprobs(model, view, torch.device("cpu"), 1.0, entropy_grad=True)
         mask = view["response_mask"]

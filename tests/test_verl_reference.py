@@ -24,7 +24,6 @@ import torch
 import advantage
 import distill
 import loss
-import loss_agg
 import loss_variants
 from config import Args
 
@@ -86,23 +85,21 @@ def random_batch(seed, B=12, T=9):
     return logp, old, adv, mask, g
 
 
-@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("mode", loss.AGG_MODES)
 @pytest.mark.parametrize("scale", [None, 7.0])
 def test_agg_loss_equals_verl(core_algos, mode, scale):
     for seed in range(5):
         _, _, _, mask, g = random_batch(seed)
         loss_mat = torch.randn(mask.shape, generator=g)
         theirs = core_algos.agg_loss(loss_mat, mask, mode, loss_scale_factor=scale)
-        torch.testing.assert_close(
-            loss_agg.agg_loss(loss_mat, mask, mode, norm_len=scale), theirs, rtol=1e-6, atol=5e-7
-        )
+        torch.testing.assert_close(loss.agg_loss(loss_mat, mask, mode, norm_len=scale), theirs, rtol=1e-6, atol=5e-7)
     # the case Dr. GRPO's old sum over sequences got wrong: verl gives 1, the sum gave 2
     two = core_algos.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
-    mine = loss_agg.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
+    mine = loss.agg_loss(torch.tensor([[1.0, 1.0], [2.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]), mode)
     torch.testing.assert_close(mine, two)
 
 
-@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("mode", loss.AGG_MODES)
 def test_vanilla_policy_loss_equals_verl(core_algos, mode):
     for seed in range(5):
         logp, old, adv, mask, g = random_batch(seed)
@@ -126,7 +123,9 @@ def test_gspo_loss_equals_verl(core_algos):
         for key, value in fields.items():
             object.__setattr__(config, key, value)
         theirs, _ = core_algos.compute_policy_loss_gspo(old, logp, adv, mask, "seq-mean-token-mean", config)
-        mine, _ = loss_variants.gspo_policy_loss(logp, old, adv, mask, 3e-4, 4e-4)
+        mine, _ = loss.aggregate(
+            *loss_variants.gspo_policy_loss(logp, old, adv, mask, 3e-4, 4e-4), mask, loss.SEQ_MEAN_AGG
+        )
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=5e-7)
 
 
@@ -159,7 +158,7 @@ def assert_same_as_verl(theirs, mine, batch, seed=0):
         assert value.item() == pytest.approx(their_metrics[f"actor/{key}"], abs=1e-6), key
 
 
-@pytest.mark.parametrize("mode", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("mode", loss.AGG_MODES)
 def test_cispo_equals_verl(core_algos, mode):
     config = real_actor_config(core_algos, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
     if "norm" in mode:
@@ -218,7 +217,9 @@ def test_geo_mean_skips_the_empty_sequences_verl_averages_over(core_algos):
     logp, old, adv, mask, _ = random_batch(0)  # sequence 3 has no tokens
     config = verl_config("token-mean", 0.4, 0.4)
     theirs, _ = core_algos.compute_policy_loss_geo_mean(old, logp, adv, mask, "token-mean", config)
-    mine, _ = loss_variants.geo_mean_policy_loss(logp, old, adv, mask, 0.4, 0.4)
+    mine, _ = loss.aggregate(
+        *loss_variants.geo_mean_policy_loss(logp, old, adv, mask, 0.4, 0.4), mask, loss.SEQ_MEAN_AGG
+    )
     torch.testing.assert_close(mine, theirs * 12 / 11, rtol=1e-6, atol=1e-6)  # verl: / 12 sequences, ours: / 11
 
 
@@ -441,7 +442,8 @@ def my_distill_loss(
     else:
         view.update(teacher_logp=teacher)
         logp = log_softmax.gather(-1, labels[..., None]).squeeze(-1)
-    total, terms, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, agg=agg, args=args)
+    whole = loss.loss_denominator(mask, args)  # one micro-batch: its loss unweighted
+    total, terms, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, args=args, whole=whole, world=1)
     return total, terms
 
 
@@ -467,7 +469,7 @@ DISTILL_MODES = ["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "forward_kl
 
 
 @pytest.mark.parametrize("mode", DISTILL_MODES)
-@pytest.mark.parametrize("agg", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("agg", loss.AGG_MODES)
 @pytest.mark.parametrize("reward", [True, False])
 def test_every_distill_loss_equals_verls_loss_and_gradient(verl_distillation, mode, agg, reward):
     """verl's distillation_ppo_loss and ours: the same loss, the same gradient with respect to the student's
@@ -494,7 +496,7 @@ def test_every_distill_loss_equals_verls_loss_and_gradient(verl_distillation, mo
             assert terms[f"distill/{name}"] == pytest.approx(float(verl_value[f"distillation/{name}"]), abs=1e-5), name
 
 
-@pytest.mark.parametrize("agg", loss_agg.AGG_MODES)
+@pytest.mark.parametrize("agg", loss.AGG_MODES)
 @pytest.mark.parametrize("reward", [True, False])
 def test_the_default_k1_advantage_equals_verls_policy_gradient_mode_on_policy(verl_distillation, agg, reward):
     """The default (--distill-loss k1, no --distill-clip): the teacher's term joins the reward's advantage, one
@@ -508,11 +510,12 @@ def test_the_default_k1_advantage_equals_verls_policy_gradient_mode_on_policy(ve
         their_loss, _ = verl_distill_loss(
             verl_distillation, "k1", theirs_in, labels, old, adv, mask, teacher, agg, **how
         )
-        args = Args(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_scale_factor=9.0)
+        args = Args(clip_low=0.2, clip_high=0.28, kl_coef=0.0, loss_scale_factor=9.0, loss_agg=agg)
         summed = (adv if reward else 0) + distill.teacher_advantages(teacher, old, mask, coef)
         logp = torch.log_softmax(mine_in, -1).gather(-1, labels[..., None]).squeeze(-1)
         view = dict(response_mask=mask, old_logp=old, advantages=summed)
-        my_loss, _, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, agg=agg, args=args)
+        whole = loss.loss_denominator(mask, args)  # one micro-batch: its loss unweighted
+        my_loss, _, _ = loss.micro_batch_loss(logp, torch.zeros(mask.shape), view, args=args, whole=whole, world=1)
         their_loss.backward(), my_loss.backward()
         torch.testing.assert_close(my_loss, their_loss, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mine_in.grad, theirs_in.grad, rtol=1e-5, atol=1e-5)
