@@ -32,6 +32,9 @@ def one_of(default, choices):
 @dataclass
 class Args:
     # --- model and data
+    config: str = ""
+    """A recipe file, .yaml or .json: our flags by name (a run's config.json too), TRL's GRPOConfig fields or verl's
+    keys; flags on the command line win. verl's keys also go on the command line as key=value (docs/from_verl_trl.md)."""
     model: str = "tiny"
     """Hugging Face model id or local directory; "tiny" builds the random-init demo model locally."""
     train_data: str = ""
@@ -127,7 +130,7 @@ class Args:
     lr: float = rule(1e-6, ">= 0", lambda v: v >= 0)
     """Peak AdamW learning rate (0 freezes the policy: a baseline or a test). With --lora-rank, about 10x
     what full fine-tuning would use."""
-    lr_schedule: str = one_of("constant", ("constant", "cosine"))  # train_grpo.lr_factor
+    lr_schedule: str = one_of("constant", ("constant", "cosine"))  # adamw.lr_factor
     """constant or cosine, after warmup."""
     warmup_steps: int = rule(0, ">= 0", lambda v: v >= 0)
     """Linear warmup steps."""
@@ -229,7 +232,8 @@ class Args:
     an advantage; k2 (mse), k3 (low_var_kl), abs: that estimate's variants, back-propagated as a loss; forward_kl_topk:
     the forward KL over the teacher's --distill-topk most likely tokens at every position, back-propagated."""
     distill_topk: int = rule(32, ">= 1", lambda v: v >= 1)
-    """forward_kl_topk: how many of the teacher's most likely tokens each position compares (verl's topk)."""
+    """forward_kl_topk: how many of the teacher's most likely tokens each position compares (verl's topk). The
+    default is lowered to a student vocabulary smaller than 32, said at start-up; a larger value given is refused."""
     distill_loss_clamp: float = rule(0.0, "> 0, or 0 for off", lambda v: v >= 0)
     """Each token's distillation loss clamped to [-C, C] (verl's loss_max_clamp); 0: off."""
     distill_logp_clamp: float = rule(0.0, "< 0, or 0 for off", lambda v: v <= 0)

@@ -17,7 +17,6 @@ the reward (we use the KL loss, as verl's GRPO examples do), and sequence packin
 import console  # noqa: I001  first, before torch loads: it keeps torch's C++ warnings off the console
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import rollout_source
 import run_dir
 import safe_write
 import startup
+from adamw import MAX_SKIPPED_STEPS, diverged_message, guarded_step, make_optimizer
 from advantage import compute_advantages
 from cli import parse_args
 from config import Args, loggers
@@ -70,21 +70,10 @@ from policy import (
 )
 from rollout import start_engine
 from run_log import RunLog, end_profile, sample_records, should_stop, start_profile, step_metrics, timed
-from update_guard import MAX_SKIPPED_STEPS, diverged_message, guarded_step
 from user_errors import record_root_cause
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the demo's inputs, the data, the engine, resuming
-
-
-def lr_factor(step, args, total_steps):
-    """The learning rate at `step` as a fraction of --lr: linear warmup, then constant or cosine."""
-    if step < args.warmup_steps:
-        return (step + 1) / (args.warmup_steps + 1)
-    if args.lr_schedule == "cosine":
-        progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0
 
 
 def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
@@ -117,8 +106,7 @@ def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_
         args, policy, trained, frozen=(reference, teacher), world=world, ranks_here=ranks_here, device=device,
         kv_cache_gib=kv_cache_gib,
     )  # fmt: skip
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
+    optimizer, scheduler = make_optimizer(trained, args, total_steps, device)
     return policy, dict(reference=reference, teacher=teacher), rm, optimizer, scheduler, lora_args, fingerprint
 
 

@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import common  # noqa: E402
 import torch  # noqa: E402
 
+import adamw  # noqa: E402
 import logprobs  # noqa: E402
 import policy  # noqa: E402
 import train_grpo  # noqa: E402
-import update_guard  # noqa: E402
 from cli import parse_args as trainer_args  # noqa: E402
 from distributed import init_distributed  # noqa: E402
 
@@ -88,7 +88,7 @@ def old_add_product(out, a, b):
 
 @torch.no_grad()
 def old_update_may_overflow(optimizer):
-    """update_guard.update_may_overflow as it was: a device-to-host copy for every weight, gradient and moment."""
+    """adamw.update_may_overflow as it was: a device-to-host copy for every weight, gradient and moment."""
     zero = bound = torch.zeros((), dtype=torch.float64)
     for group in optimizer.param_groups:
         lr, wd = group["lr"], group.get("weight_decay", 0.0)
@@ -113,7 +113,7 @@ class Setting:
         self.on = set(on)
         logprobs.head_blocks = NEW["head_blocks"] if "head" in self.on else old_head_blocks
         logprobs._add_product = NEW["add_product"] if "head" in self.on else old_add_product
-        update_guard.update_may_overflow = NEW["overflow"] if "overflow" in self.on else old_update_may_overflow
+        adamw.update_may_overflow = NEW["overflow"] if "overflow" in self.on else old_update_may_overflow
         for module in model.modules():
             if module is not model and hasattr(module, "set_reshard_after_forward"):
                 module.set_reshard_after_forward("reshard" not in self.on, recurse=False)
@@ -123,9 +123,7 @@ class Setting:
         self.fused = "fused" in self.on and device.type == "cuda"
 
 
-NEW = dict(
-    head_blocks=logprobs.head_blocks, add_product=logprobs._add_product, overflow=update_guard.update_may_overflow
-)
+NEW = dict(head_blocks=logprobs.head_blocks, add_product=logprobs._add_product, overflow=adamw.update_may_overflow)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +265,7 @@ def phases(model, opt, batch, targs, device, reps):
             sync(device), marks.append(time.perf_counter())
         torch.nn.utils.clip_grad_norm_(model.parameters(), targs.grad_clip).full_tensor().item()
         sync(device), marks.append(time.perf_counter())
-        update_guard.update_may_overflow(opt)
+        adamw.update_may_overflow(opt)
         sync(device), marks.append(time.perf_counter())
         opt.step()
         sync(device), marks.append(time.perf_counter())

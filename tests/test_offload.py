@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import config  # noqa: E402
-from update_guard import move_optimizer_states  # noqa: E402
+from adamw import move_optimizer_states  # noqa: E402
 
 
 def test_offload_is_accepted_with_a_gpu_and_refused_without():

@@ -15,10 +15,10 @@ sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 
 import gpu_update  # noqa: E402
 
+import adamw  # noqa: E402
 import distributed  # noqa: E402
 import logprobs  # noqa: E402
 import policy  # noqa: E402
-import update_guard  # noqa: E402
 from logprobs import head_blocks, head_logprobs_entropy  # noqa: E402
 
 CUDA = torch.device("cuda")  # only a name here: head_blocks picks the blocks for it; nothing runs on it
@@ -154,7 +154,7 @@ def trained(opt_class, lr, **kw):
 
 
 def host_copies(monkeypatch, opt):
-    """update_guard.update_may_overflow(opt), and every copy of a tensor's value to the host it made."""
+    """adamw.update_may_overflow(opt), and every copy of a tensor's value to the host it made."""
     calls, steps = [], {id(s["step"]) for s in opt.state.values() if "step" in s}  # foreach AdamW's: host counters
 
     def counted(name, original):
@@ -167,7 +167,7 @@ def host_copies(monkeypatch, opt):
 
     for name in ("item", "cpu", "tolist", "__float__", "__bool__"):  # every way a value reaches the host
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
-    got = update_guard.update_may_overflow(opt)
+    got = adamw.update_may_overflow(opt)
     monkeypatch.undo()
     return got, calls
 
@@ -192,9 +192,9 @@ def test_the_overflow_check_is_the_per_tensor_bound_with_one_host_copy(monkeypat
 
 def test_the_overflow_check_sees_a_nan_and_an_optimizer_with_no_gradients():
     params, opt = trained(torch.optim.AdamW, 1e-3)
-    assert update_guard.update_may_overflow(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])) is None
+    assert adamw.update_may_overflow(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])) is None
     opt.state[params[0]]["exp_avg"][0, 0] = float("nan")
-    assert "non-finite" in update_guard.update_may_overflow(opt)
+    assert "non-finite" in adamw.update_may_overflow(opt)
 
 
 def first_step(lr, wd, scale=1.0, opt_class=torch.optim.AdamW, largest_grad=None):
@@ -231,14 +231,14 @@ def test_usual_learning_rates_never_trip_the_check(lr, wd):
     one (7.3e-3, lr 1e-3 x the bound 7.27, over 0.01), far below MAX_GROWTH."""
     for scale in (1.0, 0.01, 0.0):
         params, opt = first_step(lr, wd, scale, largest_grad=1.0)
-        assert update_guard.update_may_overflow(opt) is None
+        assert adamw.update_may_overflow(opt) is None
         for k in range(100):
             for p in params:
                 p.grad = torch.full_like(p, 1e-3 * 1.07**k)
             opt.step()
-        assert update_guard.update_may_overflow(opt) is None
+        assert adamw.update_may_overflow(opt) is None
         sgd = first_step(lr, wd, scale, torch.optim.SGD, largest_grad=1.0)[1]
-        assert update_guard.update_may_overflow(sgd) is None
+        assert adamw.update_may_overflow(sgd) is None
 
 
 def test_adams_step_stays_within_its_bound_whatever_the_gradients():
@@ -247,10 +247,10 @@ def test_adams_step_stays_within_its_bound_whatever_the_gradients():
     step, the case that reaches the bound (once the bias corrections are near 1: with betas (0.5, 0.9)
     within 300 steps; (0.9, 0.999) would take thousands)."""
     torch.manual_seed(0)
-    assert update_guard.adam_step_bound((0.9, 0.999)) == pytest.approx(7.27, abs=0.01)
-    assert update_guard.adam_step_bound((0.9, 0.8)) == update_guard.adam_step_bound(None) == float("inf")
+    assert adamw.adam_step_bound((0.9, 0.999)) == pytest.approx(7.27, abs=0.01)
+    assert adamw.adam_step_bound((0.9, 0.8)) == adamw.adam_step_bound(None) == float("inf")
     for b1, b2 in ((0.9, 0.999), (0.5, 0.9)):
-        lr, wd, bound = 1e-2, 0.1, update_guard.adam_step_bound((b1, b2))
+        lr, wd, bound = 1e-2, 0.1, adamw.adam_step_bound((b1, b2))
         p = torch.nn.Parameter(torch.randn(1000, dtype=torch.float64))
         opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, betas=(b1, b2))
         for k in range(300):
@@ -268,12 +268,12 @@ def test_the_stop_after_skipped_updates_names_the_checkpoint_to_resume_from_or_s
     from types import SimpleNamespace
 
     args = SimpleNamespace(lr=1e30, resume="auto")
-    said = update_guard.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
+    said = adamw.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
     assert said.startswith("steps 4-6: every update was skipped") and "Lower --lr (now 1e+30)" in said
     assert "rerun with --allow-changed lr: it resumes from runs/x/global_step_3." in said
-    assert "with no checkpoint saved, that starts the run over" in update_guard.diverged_message(args, 1, 3, None, None)
+    assert "with no checkpoint saved, that starts the run over" in adamw.diverged_message(args, 1, 3, None, None)
     args.resume = "never"  # a rerun with --resume never would be refused: it must ask for this checkpoint
-    said = update_guard.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
+    said = adamw.diverged_message(args, 4, 6, "runs/x/global_step_3", None)
     assert "rerun with --allow-changed lr --resume runs/x/global_step_3." in said
 
 

@@ -1,16 +1,37 @@
-"""One optimizer step, or none: guarded_step skips an update that must not happen, before it happens. A
-non-finite gradient norm skips it; so does an AdamW step that could make a weight non-finite, or move one by
-orders of magnitude (update_may_overflow: a bound computed from the optimizer's state, not a trial step), so
-no such weight is ever written to a checkpoint or synced to the engine. MAX_SKIPPED_STEPS training steps in a
-row whose every update was skipped mean the run has diverged: the trainer stops (diverged_message).
+"""AdamW for the policy: the optimizer and its learning-rate schedule (make_optimizer), and each step, guarded.
+guarded_step skips an update that must not happen, before it happens: a non-finite gradient norm skips it; so
+does an AdamW step that could make a weight non-finite, or move one by orders of magnitude (update_may_overflow:
+a bound computed from the optimizer's state, not a trial step), so no such weight is ever written to a
+checkpoint or synced to the engine. MAX_SKIPPED_STEPS training steps in a row whose every update was skipped
+mean the run has diverged: the trainer stops (diverged_message).
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from distributed import crash_point, print0
+
+
+def make_optimizer(trained, args, total_steps, device):
+    """(AdamW over the `trained` parameters, its schedule: lr_factor at each training step; the trainer steps the
+    schedule once per training step, after the step's optimizer steps)."""
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, args=args, total_steps=total_steps))
+    return optimizer, scheduler
+
+
+def lr_factor(step, args, total_steps):
+    """The learning rate at `step` as a fraction of --lr: linear warmup, then constant or cosine."""
+    if step < args.warmup_steps:
+        return (step + 1) / (args.warmup_steps + 1)
+    if args.lr_schedule == "cosine":
+        progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
 
 MAX_SKIPPED_STEPS = 3  # steps in a row whose every update was skipped: the run has diverged; stop
 
