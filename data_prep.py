@@ -20,13 +20,15 @@ import os
 
 import pyarrow.parquet as pq
 
-from chat_template import ChatTemplateError, bound_chat_template
+from chat_template import bound_chat_template
 from prompt_data import DataError, is_prompt_only, load_prompt_only, parquet_files, read_rows
 from tasks.common import write_parquet
 from tasks.digits import TASK_WORDS, write_digits
 from tasks.gsm8k import gsm8k_rows
 from tasks.math import MATH_SOURCE, MATH_SOURCES, math_inputs, math_rows
 from tasks.multiply import write_multiply, write_products
+from tasks.reasoning_gym import PREFIX as RGYM_PREFIX
+from tasks.reasoning_gym import row_problems as rgym_row_problems
 from tasks.reasoning_gym import write_reasoning_gym
 
 # ----------------------------------------------------------------------------------------------
@@ -59,11 +61,14 @@ def _row_problems(row, need_truth=True):
 
 
 def read_parquet(path, required=REQUIRED_COLUMNS):
-    """One parquet file's rows, as dicts, after checking it has verl's columns (`required`)."""
+    """One parquet file's rows, as dicts, after checking it has verl's columns (`required`); none for a file of
+    no rows (load_dataset says so)."""
     try:
         table = pq.read_table(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    if not table.num_rows:  # an empty list written as parquet has no columns either: say what is wrong
+        return []
     missing = [c for c in required if c not in table.column_names]
     if missing:
         raise DataError(
@@ -80,7 +85,8 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, nee
     `skip_invalid`, which drops them and prints how many were dropped and why.
     `known_sources`: the data_sources that have a reward (the trainer passes reward.BUILTIN_SOURCES
     when no --reward-fn is given), so a row nothing can score fails here, not at the training step
-    that first samples it. None: any data_source.
+    that first samples it, and so does a reasoning-gym row whose extra_info its verifier cannot read. None: any
+    data_source.
     `schemas`: the loaded tools' (tools.start_tools; [] without --tools), which each row's
     extra_info.tools_kwargs must fit (tools.kwargs_problems): its tools loaded, its arguments theirs.
     None: not checked.
@@ -95,7 +101,7 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, nee
         rows += file_rows
         where += [(file, i) for i in range(len(file_rows))]
     if not rows:
-        raise DataError(f"{path}: has no rows")
+        raise DataError(f"{path}: has no rows, so nothing to train or validate on; write it again with at least one")
     if schemas is not None:
         import tools  # here, not at the top: this file's command line needs no tools
     good, bad = [], []
@@ -106,6 +112,8 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, nee
             row["reward_model"] = {"ground_truth": None, **given}
         if known_sources is not None and not problems and row["data_source"] not in known_sources:
             problems.append(("data_source", f"no built-in reward for {row['data_source']!r}"))
+        if known_sources is not None and not problems and row["data_source"].startswith(RGYM_PREFIX):
+            problems += rgym_row_problems(row.get("extra_info"))  # what reasoning-gym's verifier reads
         if schemas is not None:
             problems += tools.kwargs_problems(row.get("extra_info"), schemas)
         if problems:
@@ -140,8 +148,8 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     rendered with the tokenizer's chat template (and the generation prompt; with `schemas`, the tools:
     tools.render_prompt) into row["prompt_ids"]; a text prompt (prompt-only datasets) is tokenized as it
     stands, as TRL does. A prompt that renders to no tokens is an error naming its file and row
-    (check_prompt_tokens). Rows whose prompt is longer than max_prompt_length tokens are dropped; returns (rows,
-    how many were dropped). All of them dropped is an error, and so is a tokenizer without a chat template
+    (check_prompt_tokens). Rows whose prompt is longer than max_prompt_length tokens are dropped (those that
+    cannot fit by their characters alone before any renders: cannot_fit); returns (rows, how many were dropped). All of them dropped is an error, and so is a tokenizer without a chat template
     for chat prompts (checked before verl's data is read). Prompts with words the tokenizer does not know
     (its unk token) are counted and reported, not dropped. A prompt-only dataset has no data_source to pick a
     built-in reward: with `known_sources` (no --reward-fn) it is refused. need_truth=False (--no-reward):
@@ -166,8 +174,14 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     bound_chat_template(tokenizer)
     if not prompt_only:  # schemas []: no tools_kwargs
         rows = load_dataset(path, known_sources=known_sources, schemas=schemas or [], need_truth=need_truth)
+    # before any template renders: a prompt of megabytes renders for minutes. These rows get no prompt_ids
+    unfit, said = set(), None
+    if max_prompt_length is not None:
+        unfit, said = cannot_fit(path, rows, tokenizer, max_prompt_length)
     chats = []  # rendered below in batches of RENDER_BATCH: 2.2-2.6x faster than one call per row
-    for row in rows:
+    for i, row in enumerate(rows):
+        if i in unfit:
+            continue
         if isinstance(row["prompt"], str):  # TRL's text prompt: no chat template
             row["prompt_ids"] = tokenizer(row["prompt"])["input_ids"]
         elif schemas:  # the tools' schemas without the arguments the row passes itself (verl's tools_kwargs)
@@ -186,10 +200,40 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
         print0(warning)
     if max_prompt_length is None:
         return rows, 0
-    kept = [r for r in rows if len(r["prompt_ids"]) <= max_prompt_length]
+    kept = [r for i, r in enumerate(rows) if i not in unfit and len(r["prompt_ids"]) <= max_prompt_length]
     if not kept:
-        raise DataError(f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens")
+        raise DataError(
+            f"{path}: every prompt is longer than max_prompt_length={max_prompt_length} tokens"
+            + (f"; {said}: shorten the prompts, or raise --max-prompt-length" if said else "")
+        )
     return kept, len(rows) - len(kept)
+
+
+def cannot_fit(path, rows, tokenizer, max_prompt_length):
+    """(the positions of the rows whose prompt cannot fit in max_prompt_length tokens, a sentence naming the first
+    of them or None): more characters, whitespace aside, than that many of the tokenizer's longest tokens hold (a
+    token is at most that long; many tokenizers give whitespace none). load_prompts drops them with the other
+    prompts that are too long, but before the chat template renders them, which for a prompt of megabytes
+    (--shots 100000) takes minutes and then stops as if the template looped."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    limit = max_prompt_length * longest
+    sizes = [prompt_characters(row["prompt"]) for row in rows]
+    over = [i for i, size in enumerate(sizes) if size > limit]
+    if not over:
+        return set(), None
+    file, j = read_rows(path)[1][over[0]]  # (file, row in that file): every row was loaded, in this order
+    at = f"row {j}" if file == path else f"{file}, row {j}"
+    said = (
+        f"{at}'s prompt has {sizes[over[0]]:,} characters (whitespace aside), more than max_prompt_length="
+        f"{max_prompt_length} tokens of at most {longest} characters (the tokenizer's longest token) can hold, {limit:,}"
+    )
+    return set(over), said
+
+
+def prompt_characters(prompt):
+    """A prompt's characters, whitespace aside: its text, or its chat messages' contents."""
+    texts = [prompt] if isinstance(prompt, str) else [message["content"] for message in prompt]
+    return sum(len(text) - sum(map(text.count, " \t\n\r")) for text in texts)
 
 
 def render_chats(rows, tokenizer):
@@ -218,8 +262,9 @@ def check_chat_template(tokenizer):
 def check_prompt_tokens(path, rows):
     """DataError naming each row (the first 10) whose prompt rendered to no tokens, e.g. empty messages under a
     template that adds nothing around them: no engine generates from nothing (vLLM: "The decoder prompt cannot
-    be empty"; transformers: a reshape error), and neither would name the row."""
-    empty = [i for i, row in enumerate(rows) if not row["prompt_ids"]]
+    be empty"; transformers: a reshape error), and neither would name the row. A row without prompt_ids was not
+    rendered (cannot_fit)."""
+    empty = [i for i, row in enumerate(rows) if "prompt_ids" in row and not row["prompt_ids"]]
     if not empty:
         return
     where = read_rows(path)[1]  # (file, row in that file) of each row: every row was loaded, in this order
@@ -240,7 +285,7 @@ def unknown_tokens_warning(path, rows, tokenizer):
     vocabulary has no tokens for, which the model cannot read: how many, and the first one with the
     words that became unknown. None when there are none (byte-level tokenizers never have any)."""
     unk = tokenizer.unk_token_id
-    hit = [i for i, row in enumerate(rows) if unk is not None and unk in row["prompt_ids"]]
+    hit = [i for i, row in enumerate(rows) if unk is not None and unk in row.get("prompt_ids", ())]
     if not hit:
         return None
     first = rows[hit[0]]
@@ -296,37 +341,30 @@ def demo_inputs(args, rank):
     dist.barrier()
 
 
-def load_data(args, tokenizer, schemas=None):
-    """The training and validation rows of verl's schema with their prompt token ids (row["prompt_ids"]);
-    prompts longer than --max-prompt-length are dropped and counted."""
-    from distributed import print0
-    from reward import BUILTIN_SOURCES
-
-    known = None if args.reward_fn else BUILTIN_SOURCES  # without --reward-fn, every row needs a built-in reward
-    out = []
-    for path, name, truth in (
-        (args.train_data, "train data", getattr(args, "reward", True)),
-        (args.val_data, "validation data", True),
-    ):
-        try:  # --no-reward: training rows need no ground truth (nor a built-in data_source)
-            rows, dropped = load_prompts(
-                path, tokenizer, known if truth else None, args.max_prompt_length, schemas, truth
-            )
-        except (DataError, ChatTemplateError) as e:  # names the file (row and field): the message is the error
-            raise SystemExit(str(e)) from None
-        if dropped:
-            limit = f"max_prompt_length={args.max_prompt_length}"
-            print0(f"{name}: dropped {dropped} of {len(rows) + dropped} prompts longer than {limit} tokens")
-        out.append(rows)
-    train_rows, val_rows = out[0], out[1][: args.val_max_prompts if args.val_max_prompts > 0 else None]
-    if len(train_rows) < args.prompt_batch_size:
-        batch = f"prompt_batch_size={args.prompt_batch_size}"
-        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than {batch}")
-    return train_rows, val_rows
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line
+
+
+def at_least(least):
+    """An argparse type: a whole number >= `least`, so that a negative size (or, least 1, an empty training file)
+    is the flag's error, before anything is drawn."""
+
+    def count(text):
+        if not text.removeprefix("-").isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text}")
+        return int(text)
+
+    return count
+
+
+def out_problem(out):
+    """Why --out `out` cannot be the directory the files are written to (a file is in its way), or None."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):  # the first part of it that exists must be a directory
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"--out {out}: {path} is a file, not a directory; give a directory to write the parquet files to"
+    return None
 
 
 def main(argv=None):
@@ -354,8 +392,8 @@ def main(argv=None):
     d = tasks.add_parser("digits", help="the synthetic task: copy the first or last digit of a list")
     d.add_argument("--out", default="data/digits", help="directory to write train.parquet and test.parquet to")
     d.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
-    d.add_argument("--train-size", type=int, default=20000, help="training prompts")
-    d.add_argument("--test-size", type=int, default=500, help="held-out prompts, none of them in training")
+    d.add_argument("--train-size", type=at_least(1), default=20000, help="training prompts")
+    d.add_argument("--test-size", type=at_least(0), default=500, help="held-out prompts, none of them in training")
     m = tasks.add_parser("multiply", help="times tables, a * b: the real-model example's task")
     m.add_argument("--out", default="data/multiply", help="directory to write train.parquet and test.parquet to")
     m.add_argument("--seed", type=int, default=0, help="which products are held out")
@@ -368,8 +406,10 @@ def main(argv=None):
         help="3x2: a 3-digit times a 2-digit number (What is 347 * 58?), for the calculator tool; takes "
         "--train-size, --test-size, --instruction and --shots instead of --low, --high and --test-pairs",
     )
-    m.add_argument("--train-size", type=int, default=4000, help="--digits 3x2: training pairs")
-    m.add_argument("--test-size", type=int, default=200, help="--digits 3x2: held-out pairs, none of them in training")
+    m.add_argument("--train-size", type=at_least(1), default=4000, help="--digits 3x2: training pairs")
+    m.add_argument(
+        "--test-size", type=at_least(1), default=200, help="--digits 3x2: held-out pairs, none of them in training"
+    )
     m.add_argument(
         "--instruction", default="", help='--digits 3x2: text after each question, e.g. "Use the calculator."'
     )
@@ -391,8 +431,10 @@ def main(argv=None):
         required=True,
         help="NAME[,NAME...]: reasoning-gym task names, e.g. chain_sum,leg_counting",
     )
-    r.add_argument("--size", type=int, default=2000, help="training rows, over the tasks in proportion to --weights")
-    r.add_argument("--test-size", type=int, default=100, help="held-out rows of each task")
+    r.add_argument(
+        "--size", type=at_least(1), default=2000, help="training rows, over the tasks in proportion to --weights"
+    )
+    r.add_argument("--test-size", type=at_least(0), default=100, help="held-out rows of each task")
     r.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
     r.add_argument("--out", default="data/reasoning_gym", help="directory to write train.parquet and test.parquet to")
     r.add_argument("--weights", help="W[,W...]: one weight per --task (default: equal)")
@@ -409,9 +451,16 @@ def main(argv=None):
         help="reasoning-gym's system prompt asking for <answer>...</answer>: default, direct, simple, DeepSeekZero, "
         "chain_of_draft; or none (the question alone)",
     )
-    r.add_argument("--shots", type=int, default=0, help="worked examples (question, <answer>answer</answer>) first")
+    r.add_argument(
+        "--shots",
+        type=at_least(0),
+        default=0,
+        help="worked examples (question, <answer>answer</answer>) first; none is a question of the files",
+    )
     r.add_argument("--level", type=int, help="each task at this level of reasoning-gym's curriculum (--curriculum)")
     args = parser.parse_args(argv)
+    if out_problem(args.out):
+        parser.error(out_problem(args.out))
 
     if args.task == "gsm8k":
         for split in ("train", "test"):

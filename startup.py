@@ -4,6 +4,7 @@ reward functions; and, at the end, closing what it started. train_grpo.py and ro
 the same order, so both sides of a run read the same inputs the same way. Before any of it loads, the trainer
 checks the inputs its flags name (check_inputs)."""
 
+import collections
 import os
 import random
 
@@ -16,12 +17,16 @@ import distill
 import lora
 import reward_model
 import run_dir
+from chat_template import ChatTemplateError
+from distributed import print0
 from engine import stop_token_ids
 from flag_rules import reward_specs, reward_weights
 from model_dir import check_context_length, check_model_path
 from multi_turn import start_tools
 from policy import compute_dtype
-from reward import compute_score, load_reward_fns
+from prompt_data import DataError
+from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
+from tasks.common import split_counts
 from trl_rewards import check_data
 from user_errors import RewardError
 
@@ -91,13 +96,66 @@ def read_data(args, tokenizer, tools):
     """(train rows, validation rows, the run's steps: --epochs over the data, at most --max-steps); with
     --teacher-prompt-key, each training row's teacher prompt rendered (distill.teacher_prompts), and the rows whose
     teacher prompt does not fit the teacher's positions dropped (distill.fitting_teacher_prompts)."""
-    train_rows, val_rows = data_prep.load_data(args, tokenizer, tools.schemas if tools else None)
+    train_rows, val_rows = load_data(args, tokenizer, tools.schemas if tools else None)
     distill.teacher_prompts(args, tokenizer, train_rows)
     train_rows = distill.fitting_teacher_prompts(args, train_rows)  # those that fit the teacher's positions
     distill.prompt_only_rows(args, train_rows)  # pure distillation on prompts alone: nothing to score
     total_steps = args.epochs * (len(train_rows) // args.prompt_batch_size)
     total_steps = min(total_steps, args.max_steps) if args.max_steps > 0 else total_steps
     return train_rows, val_rows, total_steps
+
+
+def load_data(args, tokenizer, schemas=None):
+    """The training and validation rows of verl's schema with their prompt token ids (row["prompt_ids"]);
+    prompts longer than --max-prompt-length are dropped and counted; --val-max-prompts keeps the first validation
+    rows of each data_source (first_of_each_source)."""
+    known = None if args.reward_fn else BUILTIN_SOURCES  # without --reward-fn, every row needs a built-in reward
+    out = []
+    for path, name, truth in (
+        (args.train_data, "train data", getattr(args, "reward", True)),
+        (args.val_data, "validation data", True),
+    ):
+        try:  # --no-reward: training rows need no ground truth (nor a built-in data_source)
+            rows, dropped = data_prep.load_prompts(
+                path, tokenizer, known if truth else None, args.max_prompt_length, schemas, truth
+            )
+        except (DataError, ChatTemplateError) as e:  # names the file (row and field): the message is the error
+            raise SystemExit(str(e)) from None
+        if dropped:
+            limit = f"max_prompt_length={args.max_prompt_length}"
+            print0(f"{name}: dropped {dropped} of {len(rows) + dropped} prompts longer than {limit} tokens")
+        out.append(rows)
+    train_rows, val_rows = out[0], out[1]
+    if 0 < args.val_max_prompts < len(val_rows):
+        val_rows, said = first_of_each_source(val_rows, args.val_max_prompts)
+        if said:
+            print0(f"validation data: --val-max-prompts {args.val_max_prompts}: {said}")
+    if len(train_rows) < args.prompt_batch_size:
+        batch = f"prompt_batch_size={args.prompt_batch_size}"
+        raise SystemExit(f"{args.train_data}: {len(train_rows)} usable prompts, fewer than {batch}")
+    return train_rows, val_rows
+
+
+def first_of_each_source(rows, most):
+    """(`most` of `rows`, a sentence saying how they were chosen, or None for rows of one data_source): each
+    data_source's first rows, as many as its share of the rows (split_counts), in file order. The first `most`
+    rows of a file written task by task would validate its first task alone, and no metric would say so. The
+    sentence names any data_source too small for one row."""
+    sizes = collections.Counter(row["data_source"] for row in rows)  # in file order
+    counts = dict(zip(sizes, split_counts(most, list(sizes.values()))))
+    if len(sizes) == 1:
+        return rows[:most], None
+    kept, left = [], dict(counts)
+    for row in rows:
+        if left[row["data_source"]]:
+            kept.append(row)
+            left[row["data_source"]] -= 1
+    shares = ", ".join(f"{source} {n}" for source, n in counts.items() if n)
+    said = f"{most} of {len(rows)} prompts, the first of each data_source in proportion: {shares}"
+    dropped = [source for source, n in counts.items() if not n]
+    if dropped:
+        said += f"; none of {', '.join(dropped)}, too small a share for one (raise --val-max-prompts to validate it)"
+    return kept, said
 
 
 def reward_fn(args, train_rows=(), val_rows=(), scores=True):

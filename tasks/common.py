@@ -1,5 +1,5 @@
 """What the tasks' data writers share: reading a jsonl release line by line with errors that name
-the line, and writing rows of verl's schema to a parquet file."""
+the line, writing rows of verl's schema to a parquet file, and splitting a count in proportion."""
 
 import json
 import os
@@ -35,3 +35,12 @@ def write_parquet(rows, path, quiet=False):
     pq.write_table(pa.Table.from_pylist(rows), path)
     if not quiet:
         print(f"wrote {len(rows)} rows to {path}")
+
+
+def split_counts(total, weights):
+    """`total` split in proportion to `weights` (largest remainder): [3, 1] of 10 -> [8, 2]... exactly summing."""
+    shares = [total * w / sum(weights) for w in weights]
+    counts = [int(s) for s in shares]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts

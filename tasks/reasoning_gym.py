@@ -14,11 +14,12 @@ and no training question is also a test question.
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import random
 
-from tasks.common import write_parquet
+from tasks.common import split_counts, write_parquet
 
 PREFIX = "reasoning_gym/"  # data_source = PREFIX + task name
 TEST_SEED = 10**8  # the test split's seeds start here above the training split's
@@ -146,19 +147,27 @@ def entry_row(name, entry, split, index, config, before, level=None):
 def task_entries(name, count, seed, config, exclude=(), distinct=True):
     """(the dataset, `count` of its entries): task `name` built with `config` and dataset seed `seed`, its entries
     0, 1, ... in order, skipping questions in `exclude` and, if `distinct`, questions already taken."""
+    data, entries, tries = draw_entries(name, count, seed, config, exclude, distinct)
+    if len(entries) < count:
+        raise ValueError(
+            f"reasoning-gym task {name!r} with config {config}: only {len(entries)} usable questions in "
+            f"{tries} tries, fewer than {count}; ask for fewer, or widen its config (--config {name}.key=value)"
+        )
+    return data, entries
+
+
+def draw_entries(name, count, seed, config, exclude=(), distinct=True):
+    """task_entries' draw: (the dataset, at most `count` entries, how many it tried)."""
     limit = 10 * count + 100
     data, entries, seen = make_task(name, seed, limit, config), [], set(exclude)
     for idx in range(limit):
         if len(entries) == count:
-            return data, entries
+            break
         entry = data[idx]
         if entry["question"] not in seen:
             seen.update([entry["question"]] if distinct else [])
             entries.append(entry)
-    raise ValueError(
-        f"reasoning-gym task {name!r} with config {config}: only {len(entries)} usable questions in "
-        f"{limit} tries, fewer than {count}; ask for fewer, or widen its config (--config {name}.key=value)"
-    )
+    return data, entries, limit
 
 
 def task_rows(name, count, seed, split, config, before, exclude=(), level=None):
@@ -206,39 +215,44 @@ def level_rows(name, level, step, seed, config, before, counts):
     return task_rows(name, counts[0], base, "train", config, before, exclude, level), test
 
 
-def worked_examples(name, shots, seed, config):
+def worked_examples(name, shots, seed, config, exclude=()):
     """`shots` worked examples of task `name` as chat messages, each its question and the answer in
     <answer>...</answer> (entries of dataset seed `seed`, beyond both splits' seeds): the same before every
-    question of the task. A small model may never write the tags unprompted (SmolLM2-135M-Instruct did not)."""
-    entries = task_entries(name, shots, seed, config)[1] if shots else []
+    question of the task. A small model may never write the tags unprompted (SmolLM2-135M-Instruct did not).
+    None of them is a question in `exclude` (the held-out ones: a worked example would show a test answer); a
+    task with fewer such questions is a ValueError saying how many --shots it can give."""
+    entries, tries = draw_entries(name, shots, seed, config, exclude)[1:] if shots else ([], 0)
+    if len(entries) < shots:
+        raise ValueError(
+            f"--shots {shots}: {name} gave only {len(entries)} questions that are not held out, in {tries} tries; "
+            f"use --shots {len(entries)} or fewer, or widen its config (--config {name}.key=value)"
+        )
     if any(not isinstance(e["answer"], str) for e in entries):
         raise ValueError(f"--shots: {name} has no single right answer to show; use --shots 0")
     return [m for e in entries for m in ({"role": "user", "content": e["question"]},
                                          {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]  # fmt: skip
 
 
-def split_counts(total, weights):
-    """`total` split in proportion to `weights` (largest remainder): [3, 1] of 10 -> [8, 2]... exactly summing."""
-    shares = [total * w / sum(weights) for w in weights]
-    counts = [int(s) for s in shares]
-    for i in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
 def write_reasoning_gym(
     out_dir, tasks, size, test_size, seed=0, weights=None, configs=(), prompt="default", level=None, shots=0
 ):
     """Write train.parquet (`size` rows over `tasks`, in proportion to `weights`, shuffled) and test.parquet
-    (`test_size` rows of each task) to `out_dir`. configs: --config's NAME.key=value strings; prompt: a key of
-    reasoning-gym's SYSTEM_PROMPTS, or "none" for the question alone; level: each task at that level of its
-    curriculum (level_config), where --curriculum starts (curriculum.py); shots: worked examples before each
-    question (worked_examples)."""
+    (`test_size` rows of each task, the tasks in turn) to `out_dir`. configs: --config's NAME.key=value strings;
+    prompt: a key of reasoning-gym's SYSTEM_PROMPTS, or "none" for the question alone; level: each task at that
+    level of its curriculum (level_config), where --curriculum starts (curriculum.py); shots: worked examples
+    before each question (worked_examples), none of them a question of the file. No task's training question is
+    any task's test question; a question that two tasks both ask is counted and said (shared_questions)."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     unknown = [t for t in tasks if t not in task_names()]
     if unknown or not tasks:
         raise ValueError(f"--task: unknown reasoning-gym task(s) {unknown}; the tasks: {', '.join(task_names())}")
+    repeated = sorted({t for t in tasks if tasks.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"--task: {', '.join(repeated)} named more than once, which would write each of its questions as many "
+            "times; name each task once (--weights sets how much of each)"
+        )
     weights = [1.0] * len(tasks) if weights is None else list(weights)
     if len(weights) != len(tasks) or min(weights) <= 0:
         raise ValueError(f"--weights {weights}: expected {len(tasks)} positive numbers, one per --task")
@@ -246,21 +260,72 @@ def write_reasoning_gym(
         raise ValueError(f"--system-prompt {prompt!r}: expected one of {sorted(SYSTEM_PROMPTS)} or 'none'")
     system = [{"role": "system", "content": SYSTEM_PROMPTS[prompt]}] if prompt != "none" else []
     config = parse_configs(configs, tasks)
-    train, test = [], []
-    for task, count in zip(tasks, split_counts(size, weights)):
-        task_config = config[task] if level is None else level_config(task, level, config[task])
-        before = system + worked_examples(task, shots, seed + SHOT_SEED, task_config)
-        held_out = task_rows(task, test_size, seed + TEST_SEED, "test", task_config, before, level=level)
-        test += held_out
-        exclude = {r["extra_info"]["question"] for r in held_out}
+    task_configs = [config[t] if level is None else level_config(t, level, config[t]) for t in tasks]
+    # every task's test questions first: no task trains on, or shows as a worked example, another's test question
+    held_out = [task_entries(t, test_size, seed + TEST_SEED, c)[1] for t, c in zip(tasks, task_configs)]
+    test_questions = {e["question"] for entries in held_out for e in entries}
+    train, tests = [], []
+    for task, task_config, entries, count in zip(tasks, task_configs, held_out, split_counts(size, weights)):
+        examples = worked_examples(task, shots, seed + SHOT_SEED, task_config, exclude=test_questions)
+        before = system + examples
+        tests.append([entry_row(task, e, "test", i, task_config, before, level) for i, e in enumerate(entries)])
+        exclude = test_questions | {m["content"] for m in examples if m["role"] == "user"}
         train += task_rows(task, count, seed, "train", task_config, before, exclude, level)
     random.Random(f"reasoning-gym-{seed}").shuffle(train)
-    write_parquet(train, os.path.join(out_dir, "train.parquet"))
-    write_parquet(test, os.path.join(out_dir, "test.parquet"))
+    # the tasks in turn, so that --val-max-prompts' first rows hold every task
+    test = [row for turn in itertools.zip_longest(*tests) for row in turn if row is not None]
+    for rows, name in ((train, "train.parquet"), (test, "test.parquet")):
+        write_parquet(rows, os.path.join(out_dir, name))
+        said = shared_questions(rows)
+        if said:
+            print(f"{os.path.join(out_dir, name)}: {said}")
+
+
+def shared_questions(rows):
+    """How many of `rows` ask a question that a row of another task asks too, as a sentence; None if none. Two
+    tasks can share questions (their generators overlap): each row is then scored by its own task's verifier."""
+    tasks = {}
+    for row in rows:
+        tasks.setdefault(row["extra_info"]["question"], set()).add(row["data_source"])
+    shared = [row for row in rows if len(tasks[row["extra_info"]["question"]]) > 1]
+    if not shared:
+        return None
+    names = sorted({source for row in shared for source in tasks[row["extra_info"]["question"]]})
+    return (
+        f"{len(shared)} of {len(rows)} rows ask a question that a row of another task also asks ({', '.join(names)}); "
+        "each is scored by its own task's verifier"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # The scorer
+
+
+ENCODED = ("answer", "metadata", "config")  # extra_info's fields that hold encode()'s JSON text
+REWRITE = "write the file again with `python data_prep.py reasoning-gym`, or store tasks.reasoning_gym.encode(value)"
+
+
+def row_problems(extra_info):
+    """What a reasoning-gym row's extra_info lacks for the scorer, as (field, message) pairs (data_prep's row
+    checks at start-up, so that a hand-edited file is named now, not as a reward error mid-run); empty if none."""
+    if not isinstance(extra_info, dict):
+        return [("extra_info", f"expected a dict with {['question', *ENCODED]}, got {extra_info!r:.80}")]
+    problems = []
+    for key in ("question", *ENCODED):
+        if extra_info.get(key) is None:
+            problems.append((f"extra_info.{key}", f"missing, and reasoning-gym's scorer needs it; {REWRITE}"))
+        elif key in ENCODED and (problem := json_problem(extra_info[key])):
+            problems.append((f"extra_info.{key}", problem))
+    return problems
+
+
+def json_problem(text):
+    """Why `text` is not what encode() writes (JSON text), as a sentence; None if it is."""
+    try:
+        decode(text)
+    except (TypeError, ValueError) as e:  # json.JSONDecodeError is a ValueError; TypeError: not text at all
+        return f"not JSON text ({e}: {text!r:.60}); reasoning-gym's scorer reads it as encode() writes it: {REWRITE}"
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -280,6 +345,9 @@ def rgym_score(data_source, solution_str, extra_info):
             f"{data_source} row: extra_info lacks {missing}, which reasoning-gym's scorer needs; "
             "write the data with `python data_prep.py reasoning-gym`"
         )
+    for key in ENCODED:
+        if problem := json_problem(info[key]):
+            raise ValueError(f"{data_source} row: extra_info.{key} is {problem}")
     task = _scorer_task(data_source[len(PREFIX) :], info["config"])
     entry = {"question": info["question"], "answer": decode(info["answer"]), "metadata": decode(info["metadata"])}
     return float(task.score_answer(extract_answer(solution_str), entry))

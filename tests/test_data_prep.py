@@ -12,6 +12,7 @@ import pytest
 
 import chat_template
 import data_prep
+import startup
 from chat_template import ChatTemplateError
 from data_prep import DataError, load_dataset
 from tasks.digits import TASK_WORDS, write_digits
@@ -91,6 +92,13 @@ def test_loader_missing_column_and_empty_file(tmp_path):
         load_dataset(empty)
 
 
+def test_a_file_of_no_rows_says_so_though_it_has_no_columns_either(tmp_path):
+    # what data_prep.py reasoning-gym --size 0 wrote: no rows, so no columns; the loader said "missing column(s)"
+    empty = write_rows(tmp_path, [], "empty.parquet")
+    with pytest.raises(DataError, match="empty.parquet: has no rows, so nothing to train or validate on; write it"):
+        load_dataset(empty)
+
+
 def test_loader_names_row_and_field_of_each_bad_row(tmp_path):
     rows = [
         GOOD,
@@ -155,6 +163,61 @@ def test_loader_directory_without_parquet_or_with_several_splits(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # Prompts through the tokenizer: its chat template, and words it does not know
+
+
+@pytest.fixture
+def tiny_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from models import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(str(tmp_path / "model"), TASK_WORDS))
+
+
+def test_a_prompt_that_cannot_fit_is_dropped_before_any_template_renders_it(tmp_path, tiny_tokenizer, monkeypatch):
+    # --shots 100000 wrote prompts of 23 MB, and the trainer blamed the chat template ("does it loop?")
+    rendered = []
+    render = data_prep.render_chats
+    monkeypatch.setattr(data_prep, "render_chats", lambda rows, tok: (rendered.extend(rows), render(rows, tok)))
+    short = dict(GOOD, prompt=[{"role": "user", "content": "list 2 9 1 4 1 7 last"}])
+    huge = dict(GOOD, prompt=[{"role": "system", "content": "list 2 9 1 4 1 7 last " * 100_000}, *short["prompt"]])
+    rows, dropped = data_prep.load_prompts(write_rows(tmp_path, [short, huge, short]), tiny_tokenizer, None, 32)
+    assert (len(rows), dropped) == (2, 1) and len(rendered) == 2  # counted with the other prompts too long
+    longest = max(map(len, tiny_tokenizer.get_vocab()))  # "<|assistant|>"
+    path = write_rows(tmp_path, [huge, huge], "huge.parquet")
+    with pytest.raises(DataError) as err:
+        data_prep.load_prompts(path, tiny_tokenizer, None, 32)
+    assert str(err.value) == (
+        f"{path}: every prompt is longer than max_prompt_length=32 tokens; row 0's prompt has 1,400,014 characters "
+        f"(whitespace aside), more than max_prompt_length=32 tokens of at most {longest} characters (the tokenizer's "
+        f"longest token) can hold, {32 * longest:,}: shorten the prompts, or raise --max-prompt-length"
+    )
+    assert len(rendered) == 2  # neither was rendered
+
+
+def test_val_max_prompts_keeps_each_data_source_in_proportion_and_names_one_it_drops(tmp_path, tiny_tokenizer, capsys):
+    import argparse
+
+    # a file written task by task: its first 5 rows are all of "a"
+    rows = [dict(GOOD, data_source=s, extra_info={"index": i}) for i, s in enumerate("aaaaaabbbc")]
+    path = write_rows(tmp_path, rows)
+    args = argparse.Namespace(  # what train_grpo.py passes (--reward-fn: any data_source)
+        reward_fn="f.py:f", train_data=path, val_data=path, max_prompt_length=64, val_max_prompts=5, prompt_batch_size=1
+    )
+    train, val = startup.load_data(args, tiny_tokenizer)
+    assert len(train) == 10 and [(r["data_source"], r["extra_info"]["index"]) for r in val] == [
+        ("a", 0), ("a", 1), ("a", 2), ("b", 6), ("b", 7)]  # fmt: skip
+    assert (
+        "validation data: --val-max-prompts 5: 5 of 10 prompts, the first of each data_source in proportion: a 3, b 2; "
+        "none of c, too small a share for one (raise --val-max-prompts to validate it)"
+    ) in capsys.readouterr().out
+    args.val_max_prompts = 3
+    assert [r["data_source"] for r in startup.load_data(args, tiny_tokenizer)[1]] == ["a", "a", "b"]
+    one = write_rows(tmp_path, [dict(GOOD, extra_info={"index": i}) for i in range(6)], "one.parquet")
+    args.val_data, args.val_max_prompts = one, 4
+    capsys.readouterr()
+    assert [r["extra_info"]["index"] for r in startup.load_data(args, tiny_tokenizer)[1]] == [0, 1, 2, 3]
+    assert "--val-max-prompts" not in capsys.readouterr().out  # one data_source: its first rows, as before
 
 
 def test_a_tokenizer_without_a_chat_template_is_named_before_the_data_is_read(tmp_path):
@@ -279,7 +342,7 @@ def test_a_looping_template_in_tokenizer_config_json_is_named_there_and_ends_the
         reward_fn="", train_data=test, val_data=test, max_prompt_length=64, val_max_prompts=-1, prompt_batch_size=1
     )
     with pytest.raises(SystemExit) as end:
-        data_prep.load_data(args, AutoTokenizer.from_pretrained(model))
+        startup.load_data(args, AutoTokenizer.from_pretrained(model))
     where = f'{model}/tokenizer_config.json\'s "chat_template"'
     assert str(end.value).startswith(f"{where}: the chat template rendered for more than 0.25 s and was stopped")
 

@@ -380,7 +380,7 @@ def test_a_reward_models_looping_chat_template_is_stopped_naming_its_file(tmp_pa
 @pytest.mark.slow
 def test_eval_on_a_model_whose_chat_template_loops_ends_naming_the_file(tmp_path):
     """eval.py as run, with the limit at 1 s instead of 30 (train_grpo.py loads its prompts the same way,
-    data_prep.load_data). Before the limit, such a model hung both until killed, saying nothing."""
+    startup.load_data). Before the limit, such a model hung both until killed, saying nothing."""
     import subprocess
     import sys
 

@@ -1,11 +1,12 @@
 """tasks/reasoning_gym.py: reasoning-gym's tasks as verl's parquet, and its verifiers as our reward: the rows,
 the command line's refusals, and the scorer, which must equal reasoning-gym's own on every task we write."""
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import data_prep
-from data_prep import load_dataset
+from data_prep import DataError, load_dataset
 from reward import BUILTIN_SOURCES, compute_score, score_rows
 from tasks.reasoning_gym import (
     PREFIX,
@@ -43,7 +44,8 @@ def test_rows_are_verls_schema_with_what_the_verifier_needs(tmp_path):
     sources = [r["data_source"] for r in train]
     assert sources.count("reasoning_gym/chain_sum") == 20 and sources.count("reasoning_gym/leg_counting") == 10
     assert sources != sorted(sources)  # shuffled: a batch mixes the tasks
-    assert [r["data_source"] for r in test] == ["reasoning_gym/chain_sum"] * 10 + ["reasoning_gym/leg_counting"] * 10
+    # the tasks in turn: --val-max-prompts' first rows hold every task
+    assert [r["data_source"] for r in test] == ["reasoning_gym/chain_sum", "reasoning_gym/leg_counting"] * 10
     row = test[0]
     system, user = row["prompt"]
     assert system["role"] == "system" and "<answer>" in system["content"]  # reasoning-gym's default system prompt
@@ -99,6 +101,16 @@ def test_config_values_reach_the_task_and_the_row(tmp_path):
             ],
             "only 200 usable questions in 3100 tries, fewer than 300; ask for fewer",
         ),  # fmt: skip
+        (["--task", "leg_counting,leg_counting"], "--task: leg_counting named more than once, which would write each"),
+        (["--task", "chain_sum", "--size", "0"], "argument --size: expected a whole number >= 1, got 0"),
+        (["--task", "chain_sum", "--size", "-5"], "argument --size: expected a whole number >= 1, got -5"),
+        (["--task", "chain_sum", "--test-size", "-1"], "argument --test-size: expected a whole number >= 0, got -1"),
+        (["--task", "chain_sum", "--shots", "-2"], "argument --shots: expected a whole number >= 0, got -2"),
+        (
+            ["--task", "chain_sum", "--test-size", "150", "--shots", "60"]
+            + ["--config", "chain_sum.max_terms=2", "--config", "chain_sum.max_digits=1"],
+            "--shots 60: chain_sum gave only ",  # 200 questions, 150 of them held out
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_flag_and_the_valid_values(tmp_path, capsys, flags, message):
@@ -210,8 +222,9 @@ def test_validation_metrics_are_per_task_with_partial_credit(tmp_path):
     write_reasoning_gym(str(tmp_path), ["chain_sum", "spell_backward"], 2, 3)
     rows, _ = data_prep.load_prompts(str(tmp_path / "test.parquet"), tokenizer, BUILTIN_SOURCES)
     truths = [r["reward_model"]["ground_truth"] for r in rows]
+    chain_sum = [r["data_source"] == "reasoning_gym/chain_sum" for r in rows]  # the tasks in turn
     # sample 1 of each prompt is right; sample 2 is wrong for chain_sum, half right for spell_backward
-    answers = [(t, "-1" if i < 3 else t[: len(t) // 2] + "#" * (len(t) - len(t) // 2)) for i, t in enumerate(truths)]
+    answers = [(t, "-1" if c else t[: len(t) // 2] + "#" * (len(t) - len(t) // 2)) for c, t in zip(chain_sum, truths)]
     texts = [f"<answer>{a}</answer>" for pair in answers for a in pair]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -222,7 +235,7 @@ def test_validation_metrics_are_per_task_with_partial_credit(tmp_path):
 
     metrics, samples = validate(Scripted(), rows, tokenizer, compute_score, {eos}, n=2, temperature=1.0,
                                 max_new_tokens=16, seed=0)  # fmt: skip
-    halves = [(len(t) // 2) / len(t) for t in truths[3:]]
+    halves = [(len(t) // 2) / len(t) for c, t in zip(chain_sum, truths) if not c]
     assert metrics["val-core/reasoning_gym/chain_sum/reward/mean@2"] == 0.5
     assert metrics["val-core/reasoning_gym/spell_backward/reward/mean@2"] == pytest.approx(
         sum(1 + h for h in halves) / 6
@@ -292,3 +305,49 @@ def test_shots_put_the_same_worked_examples_before_every_question(tmp_path):
     assert not {shown[0]["content"], shown[2]["content"]} & {r["extra_info"]["question"] for r in rows[6:]}
     with pytest.raises(ValueError, match="graph_color has no single right answer to show"):
         write_reasoning_gym(str(tmp_path), ["graph_color"], 2, 2, shots=1)
+
+
+def test_no_worked_example_is_a_question_of_the_file(tmp_path):
+    # README's chain_sum at level 0 has 200 questions, 100 held out: its second worked example was a test question,
+    # shown with its answer before every question, and its first was asked 21 times in training
+    write_reasoning_gym(str(tmp_path), ["chain_sum"], 200, 100, prompt="direct", level=0, shots=2)
+    rows = read(tmp_path / "train.parquet") + read(tmp_path / "test.parquet")
+    shown = {m["content"] for m in rows[0]["prompt"][:-1] if m["role"] == "user"}
+    assert len(shown) == 2 and not shown & {r["extra_info"]["question"] for r in rows}
+
+
+def test_questions_two_tasks_share_are_counted_and_no_task_trains_on_anothers_test(tmp_path, capsys, monkeypatch):
+    from reasoning_gym.factory import DATASETS
+
+    monkeypatch.setitem(DATASETS, "leg_counting_twin", DATASETS["leg_counting"])  # a task that asks the same
+    task_names.cache_clear()
+    try:
+        write_reasoning_gym(str(tmp_path), ["leg_counting", "leg_counting_twin"], 20, 10)
+    finally:
+        task_names.cache_clear()
+    out = capsys.readouterr().out
+    shared = "rows ask a question that a row of another task also asks (reasoning_gym/leg_counting, "
+    shared += "reasoning_gym/leg_counting_twin); each is scored by its own task's verifier"
+    assert f"{tmp_path / 'train.parquet'}: 20 of 20 {shared}" in out
+    assert f"{tmp_path / 'test.parquet'}: 20 of 20 {shared}" in out
+    train, test = read(tmp_path / "train.parquet"), read(tmp_path / "test.parquet")
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    write_reasoning_gym(str(tmp_path / "one"), ["leg_counting", "chain_sum"], 20, 10)
+    assert "another task" not in capsys.readouterr().out  # two tasks that share nothing: nothing said
+
+
+def test_metadata_that_is_not_json_is_named_at_start_up_and_by_the_scorer(tmp_path):
+    # a hand-edited file: extra_info.metadata as Python's repr, which is not JSON
+    write_reasoning_gym(str(tmp_path), ["chain_sum"], 4, 3)
+    rows = read(tmp_path / "test.parquet")
+    rows[1]["extra_info"]["metadata"] = str(decode(rows[1]["extra_info"]["metadata"]))
+    path = tmp_path / "edited.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(DataError) as err:
+        load_dataset(str(path), known_sources=BUILTIN_SOURCES)  # the trainer's and eval.py's check of every row
+    said = str(err.value)
+    assert said.startswith(f"{path}: 1 of 3 rows are invalid:\n  row 1, field extra_info.metadata: not JSON text (")
+    assert "write the file again with `python data_prep.py reasoning-gym`, or store tasks.reasoning_gym.encode" in said
+    with pytest.raises(ValueError, match=r"^reasoning_gym/chain_sum row: extra_info.metadata is not JSON text \("):
+        compute_score("reasoning_gym/chain_sum", "<answer>3</answer>", "3", rows[1]["extra_info"])
+    assert len(load_dataset(str(path))) == 3  # no built-in reward asked for (--reward-fn): not its concern

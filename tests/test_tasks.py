@@ -217,6 +217,39 @@ def test_math_cli_takes_a_file_or_a_directory(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
+# the command line's refusals, before anything is written
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["digits", "--train-size", "0"], "argument --train-size: expected a whole number >= 1, got 0"),
+        (["digits", "--train-size", "-5"], "argument --train-size: expected a whole number >= 1, got -5"),
+        (["digits", "--test-size", "-1"], "argument --test-size: expected a whole number >= 0, got -1"),
+        (["digits", "--train-size", "ten"], "argument --train-size: expected a whole number >= 1, got ten"),
+        (["multiply", "--digits", "3x2", "--train-size", "0"], "argument --train-size: expected a whole number >= 1"),
+    ],
+)
+def test_a_size_that_writes_no_training_data_or_is_negative_is_refused_by_its_flag(tmp_path, capsys, flags, message):
+    # --train-size 0 wrote an empty train.parquet, which the trainer then read as "missing column(s)"
+    with pytest.raises(SystemExit):
+        data_prep.main([*flags, "--out", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_that_is_a_file_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for out in (taken, taken / "data"):  # a file at --out, or on the way to it: was a FileExistsError's traceback
+        with pytest.raises(SystemExit):
+            data_prep.main(["digits", "--out", str(out), "--train-size", "4", "--test-size", "2"])
+        err = capsys.readouterr().err
+        said = f"error: --out {out}: {taken} is a file, not a directory; give a directory to write the parquet files to"
+        assert err.splitlines()[-1].endswith(said) and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------
 # the synthetic digits task
 
 
