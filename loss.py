@@ -39,11 +39,9 @@ def clipped_surrogate(logp, old_logp, advantages, clip_low=0.2, clip_high=0.2, c
     loss_dual = torch.minimum(loss_clip, -advantages * clip_c)
     loss_mat = torch.where(advantages < 0, loss_dual, loss_clip)
     with torch.no_grad():
-        dual = (loss_clip > -advantages * clip_c) & (advantages < 0)
-        metrics = dict(
-            pg_clipfrac=(loss_clipped > loss_unclipped).to(logp.dtype), pg_clipfrac_lower=dual.to(logp.dtype)
-        )
-        metrics.update(ppo_kl=-log_ratio, ratio=ratio.detach())
+        dual = ((loss_clip > -advantages * clip_c) & (advantages < 0)).to(logp.dtype)
+        clipped = (loss_clipped > loss_unclipped).to(logp.dtype)
+        metrics = dict(pg_clipfrac=clipped, pg_clipfrac_lower=dual, ppo_kl=-log_ratio, ratio=ratio.detach())
     return loss_mat, metrics
 
 
@@ -221,12 +219,10 @@ def micro_batch_loss(logp, token_entropy, mb, *, args, whole, world):
         is_weights = torch.exp(old - mb["engine_logp"].to(device)).clamp(max=args.tis_cap) * m
     agg = loss_agg_for(args.loss_mode, args.loss_agg)
     norm_len = args.loss_scale_factor or args.max_response_length  # Dr. GRPO's constant, never the micro-batch's width
-    clip = dict(clip_low=args.clip_low, clip_high=args.clip_high, clip_c=args.clip_c)
     variant = {k: getattr(args, k) for k in VARIANT_ARGS}  # what the other --loss-mode's take (loss_variants.py)
-    pg_loss, pg_metrics = policy_loss(
-        logp, old, mb["advantages"].to(device), m, **clip, agg=agg, rollout_is_weights=is_weights,
-        norm_len=norm_len, mode=args.loss_mode, **variant,
-    )  # fmt: skip
+    clip = dict(clip_low=args.clip_low, clip_high=args.clip_high, clip_c=args.clip_c, mode=args.loss_mode)
+    pg_loss, pg_metrics = policy_loss(logp, old, mb["advantages"].to(device), m, agg=agg, rollout_is_weights=is_weights,
+                                      norm_len=norm_len, **clip, **variant)  # fmt: skip
     loss, kl_loss, distilled = pg_loss, torch.zeros(()), {}
     if mb.get("ref_logp") is not None:
         kl_loss = agg_loss(kl_penalty(logp, mb["ref_logp"].to(device), args.kl_kind), m, agg, norm_len)

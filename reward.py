@@ -284,13 +284,10 @@ def score_rows(
 
 def row_inputs(rows, texts, first=0, response_ids=None, truncated=None, conversations=None):
     """score_responses' inputs for rows of verl's schema and one response text each (score_rows)."""
-    return dict(
-        data_sources=[r["data_source"] for r in rows],
-        responses=texts,
-        ground_truths=[r["reward_model"]["ground_truth"] for r in rows],
-        extra_infos=sample_infos(rows, response_ids, truncated, conversations),
-        indices=range(first, first + len(rows)),
-    )
+    truths = [r["reward_model"]["ground_truth"] for r in rows]
+    return dict(data_sources=[r["data_source"] for r in rows], responses=texts, ground_truths=truths,
+                extra_infos=sample_infos(rows, response_ids, truncated, conversations),
+                indices=range(first, first + len(rows)))  # fmt: skip
 
 
 def sample_infos(rows, response_ids=None, truncated=None, conversations=None):

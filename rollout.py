@@ -217,8 +217,8 @@ def generate_and_score(
     with timed(timing, "gen"):
         engine.wake_up()
         seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
-        kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)
-        kw.update(n=n, seeds=seeds, max_new_tokens=args.max_response_length)
+        kw = dict(n=n, seeds=seeds, max_new_tokens=args.max_response_length, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)  # fmt: skip
         if tools is None:
             out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
         else:  # multi-turn conversations
@@ -229,10 +229,9 @@ def generate_and_score(
     with timed(timing, "reward"):
         samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
         texts = response_texts(out, tokenizer, eos_ids)
-        place = first * n  # for error messages: the sample's place in this generation batch, all ranks'
-        where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")
-        scores, extras = score_samples(
-            reward, samples, texts, out, first=place, args=args, device=device, where=where, step=step
+        where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")  # errors name the sample's
+        scores, extras = score_samples(  # place in this generation batch, all ranks' (first * n)
+            reward, samples, texts, out, first=first * n, args=args, device=device, where=where, step=step
         )
     return StepRollout(
         rows, out.response_ids, out.logprobs, out.truncated, texts, scores, extras, filter_metrics={},

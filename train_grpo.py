@@ -165,8 +165,7 @@ def abandoned(step, rng_before, device):
     not started, so the step is abandoned as if it had never begun: the random generators go back to
     `rng_before`, the step's start, which a checkpoint of step - 1 holds."""
     crash_point("rollout", step)  # the kill -9 and SIGTERM tests stop a run here
-    asked = stop_requested(device)
-    if asked:
+    if asked := stop_requested(device):
         rng.set_state(rng_before)
     return asked
 
@@ -181,15 +180,10 @@ def training_batch(ro, samples, args, pad_id, device):
     group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
     batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
     mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
-    advantages = compute_advantages(
-        ro.scores,
-        args.group_size,
-        estimator=args.adv_estimator,
-        norm_by_std=args.norm_adv_by_std,
-        response_mask=mask,
-        total=partial(all_sum_tensor, device=device),
-        unscored=ro.extras.get("reward_unscored"),  # TRL's functions all returned None: left out (advantage.py)
-    )
+    unscored = ro.extras.get("reward_unscored")  # TRL's functions all returned None: left out (advantage.py)
+    advantages = compute_advantages(ro.scores, args.group_size, estimator=args.adv_estimator, response_mask=mask,
+                                    norm_by_std=args.norm_adv_by_std, total=partial(all_sum_tensor, device=device),
+                                    unscored=unscored)  # fmt: skip
     batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
     if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
         batch["response_mask"] = mask * ~torch.tensor(ro.truncated)[:, None]
