@@ -4,6 +4,10 @@ Each prompt is sampled n times; a sample's advantage is how much better its rewa
 siblings'. No value network is needed: the group mean is the baseline.
 compute_advantages also offers three of verl's other outcome-reward estimators: RLOO,
 REINFORCE++ with a group baseline, and GRPO's pass@k variant (only a group's best sample learns).
+
+A new estimator: a function here ([B*n] scores -> [B*n] advantages, or [B*n, T] per token), its name in
+ADV_ESTIMATORS and a branch in compute_advantages, and the name in config.py's --adv-estimator choices
+(config.py imports no feature module, so it lists them itself; tests/test_config.py checks the two agree).
 """
 
 import torch

@@ -1,17 +1,15 @@
 """Checkpoints: a run killed at any moment resumes exactly, from its newest complete checkpoint.
 
-    <out-dir>/global_step_N/    shards/ (the policy's and optimizer's tensors, torch.distributed.checkpoint:
-                                every rank writes its own, none gathers them), non_tensor_state.json (AdamW's
-                                param_groups), rng_rank{r}.json, trainer_state.json (step, LR scheduler, config,
-                                metric history), hf/ (model config, tokenizer), checksums.json
-    <out-dir>/latest_checkpointed_iteration.txt    the newest complete step (verl's tracker name)
-
-A checkpoint is written as global_step_N.tmp/ and renamed only when every rank has finished, then the
-tracker is replaced atomically: a crash or a failed write mid-save leaves the previous checkpoint in
-charge. The data loader needs no state: the order of prompts is a function of (seed, epoch), the step
-says where in it we are, and the rollout's sampling seeds are a function of (seed, step). With LoRA a
-checkpoint holds only what trains; the base comes from --model again. Why loading one is safe is in
-integrity.py, export to Hugging Face format in export.py, the run directory's rules in run_dir.py.
+Save (save_run, every --save-freq steps): Checkpointer.save writes global_step_N.tmp/: the policy's and AdamW's
+tensors as shards (torch.distributed.checkpoint, each rank its own, none gathered), non_tensor_state.json (AdamW's
+param_groups), rng_rank{r}.json (every random generator), trainer_state.json (step, LR scheduler, config, metric
+history), hf/ (config, tokenizer), checksums.json. Once every rank is done it becomes global_step_N/ and
+latest_checkpointed_iteration.txt (verl's tracker) is replaced atomically: a crash mid-save leaves the previous
+checkpoint in charge. Resume (the same command again): run_dir.claim picks the newest complete checkpoint
+(find_checkpoint); resume_run loads the shards, AdamW, each rank's generators and the scheduler (load), and the loop
+goes on at step N + 1. Exactly, because nothing else holds state: the prompts' order is a function of (seed, epoch)
+and the sampling seeds of (seed, step), and a step stopped before its update is abandoned (train_grpo.abandoned).
+With LoRA only what trains is saved. Loading runs no code (integrity.py); to Hugging Face format: export.py.
 """
 
 import dataclasses
@@ -35,6 +33,39 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def step_dir(out_dir, step):
     return os.path.join(out_dir, f"global_step_{step}")
+
+
+def save_run(
+    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, rollouts
+):
+    """Everything needed to continue this run exactly from after `step` (Checkpointer). fingerprint: the
+    fingerprints of what it holds no copy of ({"base_fingerprint", "teacher_fingerprint"}: resume_run); rollouts:
+    the run's rollout source, whose rollouts made ahead are saved (rollout_source.py)."""
+    epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
+    trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
+    trainer_state.update(fingerprint or {})
+    if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
+        trainer_state["rollouts_ahead"] = rollouts.state(step)
+    checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)
+
+
+def resume_run(path, policy, optimizer, scheduler, *, args, fingerprints=None):
+    """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
+    history, the rollouts it holds for later steps). What the checkpoint holds no copy of is checked by its
+    fingerprint (`fingerprints`: {"base_fingerprint", "teacher_fingerprint"}, None where there is none): LoRA
+    adapters on another base model are refused, and so is a teacher whose weights changed (check_teacher)."""
+    state, now = load(path, policy, optimizer, dataclasses.asdict(args)), fingerprints or {}
+    lora.check_fingerprint(state.get("base_fingerprint"), now.get("base_fingerprint"), f"{path} (--model {args.model})")
+    check_teacher(state.get("teacher_fingerprint"), now.get("teacher_fingerprint"), path, args)
+    scheduler.load_state_dict(state["scheduler"])
+    step, history = state["step"], state["metrics"]
+    if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
+        scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
+            group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
+    return step, history, state.get("rollouts_ahead", {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,25 +469,6 @@ def load(path, model, optimizer, config):
 # The trainer's whole state: what train_grpo saves and resumes
 
 
-def resume_run(path, policy, optimizer, scheduler, *, args, fingerprints=None):
-    """Load a checkpoint into the policy, optimizer and scheduler; returns (its step, the metric
-    history, the rollouts it holds for later steps). What the checkpoint holds no copy of is checked by its
-    fingerprint (`fingerprints`: {"base_fingerprint", "teacher_fingerprint"}, None where there is none): LoRA
-    adapters on another base model are refused, and so is a teacher whose weights changed (check_teacher)."""
-    state, now = load(path, policy, optimizer, dataclasses.asdict(args)), fingerprints or {}
-    lora.check_fingerprint(state.get("base_fingerprint"), now.get("base_fingerprint"), f"{path} (--model {args.model})")
-    check_teacher(state.get("teacher_fingerprint"), now.get("teacher_fingerprint"), path, args)
-    scheduler.load_state_dict(state["scheduler"])
-    step, history = state["step"], state["metrics"]
-    if {"lr", "weight_decay"} & allowed_changes(args):  # the restored optimizer and scheduler hold the old ones
-        scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
-        for group in optimizer.param_groups:
-            group["initial_lr"], group["weight_decay"] = args.lr, args.weight_decay
-            group["lr"] = args.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what actor/lr reports
-    return step, history, state.get("rollouts_ahead", {})
-
-
 def check_teacher(saved, now, path, args):
     """The teacher is never checkpointed: a --teacher directory whose files were replaced since the run started
     would make the resumed run learn from another teacher than its first steps did. Refused, or with
@@ -473,17 +485,3 @@ def check_teacher(saved, now, path, args):
             "--allow-changed teacher to go on with this one"
         )
     print(f"resume: {what}; going on with this teacher (--allow-changed teacher)", flush=True)
-
-
-def save_run(
-    checkpointer, step, *, args, train_rows, policy, optimizer, scheduler, config, log, fingerprint, tokenizer, rollouts
-):
-    """Everything needed to continue this run exactly from after `step` (Checkpointer). fingerprint: the
-    fingerprints of what it holds no copy of ({"base_fingerprint", "teacher_fingerprint"}: resume_run); rollouts:
-    the run's rollout source, whose rollouts made ahead are saved (rollout_source.py)."""
-    epoch = max(step - 1, 0) // (len(train_rows) // args.prompt_batch_size)
-    trainer_state = dict(epoch=epoch, scheduler=scheduler.state_dict(), config=config, metrics=log.history)
-    trainer_state.update(fingerprint or {})
-    if args.max_staleness:  # the rollouts already made for the next steps (async_rollout.py)
-        trainer_state["rollouts_ahead"] = rollouts.state(step)
-    checkpointer.save(step, policy, optimizer, trainer_state, tokenizer)

@@ -2,7 +2,8 @@
 the KL penalty to the reference (kl_penalty), how per-token terms become one number (agg_loss), and
 micro_batch_loss, which puts them together and weights the micro-batch so that the gradients summed over
 micro-batches and ranks are the whole mini-batch's. The other --loss-mode's per-token terms are one call
-into loss_variants.py; the teacher's terms (--teacher) come last. The log-probs come from logprobs.py.
+into loss_variants.py. The teacher's terms (--teacher --distill-loss) come last, after the GRPO loss: a reader
+of GRPO can stop at micro_batch_loss. The log-probs come from logprobs.py.
 
 Shapes: B sequences (prompts x samples), T response tokens. `mask` is 1 on response tokens that
 count and 0 on padding. Log-probabilities are in nats. Each function states its formula; the

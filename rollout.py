@@ -23,68 +23,58 @@ from reward import is_trl, overlong_penalty, response_text, row_inputs, score_re
 from run_log import timed
 from trl_rewards import score_rows
 
-
-def make_engine(kind, model_path, *, verbose=False, **kwargs):
-    """The rollout engine `kind`: "vllm", "hf", or "auto" (vLLM when it can be imported). verbose=True
-    shows vLLM's INFO logs (its configuration at start-up, each weight sync); otherwise only its warnings."""
-    if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-
-            kind = "vllm"
-        except ImportError:
-            kind = "hf"
-    if kind == "vllm":
-        from vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, verbose=verbose, **kwargs)
-    if kind == "hf":
-        from hf_engine import HFEngine
-
-        return HFEngine(model_path, verbose=verbose, **kwargs)
-    raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")
+# ----------------------------------------------------------------------------------------------
+# One training step's samples on this rank
 
 
-def start_engine(args, world, ranks_here, device, dtype, trains=True):
-    """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype). With
-    --tensor-parallel-size T, each T consecutive ranks run one engine together and generate their
-    group's prompts (collect_rollout). trains: this rank also trains (not a rollout rank)."""
-    groups = world // args.tensor_parallel_size
-    # one rank that trains: the transformers engine generates with the policy's own weights (HFEngine.share), but
-    # not with LoRA (it takes the merged weights) or --offload params (it would copy each layer in per token)
-    shares_policy = args.engine_shares_policy and trains and world == 1 and not args.lora_rank
-    return make_engine(
-        args.rollout,
-        args.model,
-        max_model_len=args.max_prompt_length + args.max_response_length,
-        dtype=str(dtype).removeprefix("torch."),
-        seed=args.seed,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed=True,
-        device=device,
-        verbose=args.verbose,
-        max_batch_size=args.prompt_batch_size // groups * args.group_size,  # HFEngine: a step's rollout in one batch
-        shares_policy=shares_policy and args.offload not in ("params", "both"),  # HFEngine
-        cuda_graphs=args.cuda_graphs,  # HFEngine
-        sequences=args.prompt_batch_size // groups * args.group_size,  # vLLM's KV cache on CPU: the same rollout
-        memory_gib=free_memory_gib(device, ranks_here),
+def collect_rollout(
+    engine, train_rows, step, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools=None
+):
+    """This step's samples on this rank (StepRollout): n responses to each of its prompts from the engine, seeded
+    by the prompt's place in the global batch, their texts and their rewards (score_samples). With
+    --filter-groups (DAPO's dynamic sampling), filtered_rollout: more batches of prompts until enough groups
+    have rewards that differ."""
+    scoring = dict(tokenizer=tokenizer, reward=reward, eos_ids=eos_ids, tools=tools)  # what the rewards need
+    if args.filter_groups:
+        return filtered_rollout(engine, train_rows, step, args=args, rank=rank, world=world, timing=timing,
+                                device=device, **scoring)  # fmt: skip
+    return generate_and_score(
+        engine, train_rows, step, 0, args=args, rank=rank, world=world, timing=timing, device=device, **scoring
     )
 
 
-VALIDATION_STEP = -1  # validation's seeds: the same at every validation, apart from training's
-
-
-def sampling_seeds(seed, step, first, count):
-    """One seed per prompt from (run seed, step, the prompt's place in the global batch: first, first
-    + 1, ...), so a prompt's seeds depend neither on how the batch is split over ranks nor on the other
-    prompts, and a resumed run draws what the uninterrupted one drew. (Its samples also follow the
-    engine's floats, which can move by ~1e-6 nats with what else shares the engine's batch.)"""
-    return [(seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]
-
-
-# ----------------------------------------------------------------------------------------------
-# One training step's samples
+def generate_and_score(
+    engine, train_rows, step, batch, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools
+):
+    """Generation batch `batch` of step `step` on this rank (0, then 1, 2, ... with --filter-groups): its share
+    of the batch's prompts (step_prompts), n responses to each (the engine: vllm_engine.py or hf_engine.py;
+    with --tools, multi-turn conversations), their texts and rewards. A StepRollout."""
+    n, tp = args.group_size, args.tensor_parallel_size  # tp ranks run one engine and generate their group's prompts
+    indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank // tp, world=world // tp)
+    rows = [train_rows[i] for i in indices]
+    with timed(timing, "gen"):
+        engine.wake_up()
+        seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
+        kw = dict(n=n, seeds=seeds, max_new_tokens=args.max_response_length, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)  # fmt: skip
+        if tools is None:
+            out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
+        else:  # multi-turn conversations
+            out = generate(engine, rows, tools, **kw)
+        engine.sleep()
+    if tp > 1:  # every rank of a tensor-parallel group generated the group's prompts: keep this rank's
+        indices, rows, first, out = tensor_parallel_share(indices, rows, first, out, rank=rank, args=args, world=world)
+    with timed(timing, "reward"):
+        samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
+        texts = response_texts(out, tokenizer, eos_ids)
+        where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")  # errors name the sample's
+        scores, extras = score_samples(  # place in this generation batch, all ranks' (first * n)
+            reward, samples, texts, out, first=first * n, args=args, device=device, where=where, step=step
+        )
+    return StepRollout(
+        rows, out.response_ids, out.logprobs, out.truncated, texts, scores, extras, filter_metrics={},
+        model_mask=out.model_mask, turns=out.turns, indices=indices,
+    )  # fmt: skip
 
 
 def step_prompts(train_rows, step, batch, *, args, rank, world):
@@ -100,10 +90,20 @@ def step_prompts(train_rows, step, batch, *, args, rank, world):
     return order[first : first + local], rank * local
 
 
-def rollout_part(out, prompts, n):
-    """The samples of `prompts` (a slice of the generated prompts, n samples each) of a Rollout."""
-    cut = slice(prompts.start * n, prompts.stop * n)
-    return Rollout(*(getattr(out, f.name)[cut] for f in dataclasses.fields(Rollout)))
+def sampling_seeds(seed, step, first, count):
+    """One seed per prompt from (run seed, step, the prompt's place in the global batch: first, first
+    + 1, ...), so a prompt's seeds depend neither on how the batch is split over ranks nor on the other
+    prompts, and a resumed run draws what the uninterrupted one drew. (Its samples also follow the
+    engine's floats, which can move by ~1e-6 nats with what else shares the engine's batch.)"""
+    return [(seed * 1_000_003 + step * 100_003 + first + i) % 2**31 for i in range(count)]
+
+
+def response_texts(out, tokenizer, eos_ids):
+    """The text the reward scores of each response: its tokens without a final EOS (reward.response_text),
+    or, multi-turn, the model's last turn."""
+    if out.turns:
+        return [t.answer() for t in out.turns]
+    return [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
 
 
 def score_samples(reward, samples, texts, out, *, first, args, device, where="", step=0):
@@ -159,96 +159,8 @@ class StepRollout:
     weight_sync_gap: float | None = None
 
 
-def score_group(train_rows, index, out, *, step, place, args, tokenizer, reward, eos_ids, device):
-    """One prompt's group (--stream-rollouts): the StepRollout of row `index`'s n samples `out` (a Rollout),
-    scored as collect_rollout scores them; place: the prompt's in the step's global batch."""
-    row, texts, n = train_rows[index], response_texts(out, tokenizer, eos_ids), args.group_size
-    where = f"step {step}"
-    scores, extras = score_samples(
-        reward, [row] * n, texts, out, first=place * n, args=args, device=device, where=where, step=step
-    )
-    return StepRollout([row], out.response_ids, out.logprobs, out.truncated, texts, scores, extras, {}, indices=[index])
-
-
-def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):
-    """n responses to each row's prompt (a Rollout): one turn each, or with `tools` (a
-    multi_turn.ToolSetup) the multi-turn conversations of multi_turn.generate_turns."""
-    if tools is not None:
-        from multi_turn import generate_turns
-
-        return generate_turns(engine, rows, tools, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
-    prompts = [r["prompt_ids"] for r in rows]
-    return engine.generate(prompts, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
-
-
-def response_texts(out, tokenizer, eos_ids):
-    """The text the reward scores of each response: its tokens without a final EOS (reward.response_text),
-    or, multi-turn, the model's last turn."""
-    if out.turns:
-        return [t.answer() for t in out.turns]
-    return [response_text(tokenizer, ids, eos_ids) for ids in out.response_ids]
-
-
-def collect_rollout(
-    engine, train_rows, step, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools=None
-):
-    """This step's samples on this rank (StepRollout): n responses to each of its prompts from the engine, seeded
-    by the prompt's place in the global batch, their texts and their rewards (score_samples). With
-    --filter-groups (DAPO's dynamic sampling), filtered_rollout: more batches of prompts until enough groups
-    have rewards that differ."""
-    scoring = dict(tokenizer=tokenizer, reward=reward, eos_ids=eos_ids, tools=tools)  # what the rewards need
-    if args.filter_groups:
-        return filtered_rollout(engine, train_rows, step, args=args, rank=rank, world=world, timing=timing,
-                                device=device, **scoring)  # fmt: skip
-    return generate_and_score(
-        engine, train_rows, step, 0, args=args, rank=rank, world=world, timing=timing, device=device, **scoring
-    )
-
-
-def generate_and_score(
-    engine, train_rows, step, batch, *, args, rank, world, tokenizer, reward, eos_ids, timing, device, tools
-):
-    """Generation batch `batch` of step `step` on this rank (0, then 1, 2, ... with --filter-groups): its share
-    of the batch's prompts (step_prompts), n responses to each (the engine: vllm_engine.py or hf_engine.py;
-    with --tools, multi-turn conversations), their texts and rewards. A StepRollout."""
-    n, tp = args.group_size, args.tensor_parallel_size  # tp ranks run one engine and generate their group's prompts
-    indices, first = step_prompts(train_rows, step, batch, args=args, rank=rank // tp, world=world // tp)
-    rows = [train_rows[i] for i in indices]
-    with timed(timing, "gen"):
-        engine.wake_up()
-        seeds = sampling_seeds(args.seed, step, batch * args.prompt_batch_size + first, len(rows))
-        kw = dict(n=n, seeds=seeds, max_new_tokens=args.max_response_length, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, logprobs=args.engine_logprobs)  # fmt: skip
-        if tools is None:
-            out = engine.generate([r["prompt_ids"] for r in rows], **kw)  # vllm_engine.py, hf_engine.py
-        else:  # multi-turn conversations
-            out = generate(engine, rows, tools, **kw)
-        engine.sleep()
-    if tp > 1:  # every rank of a tensor-parallel group generated the group's prompts: keep this rank's
-        indices, rows, first, out = tensor_parallel_share(indices, rows, first, out, rank=rank, args=args, world=world)
-    with timed(timing, "reward"):
-        samples = [r for r in rows for _ in range(n)]  # prompt-major, like the rollout
-        texts = response_texts(out, tokenizer, eos_ids)
-        where = f"step {step}" + (f", generation batch {batch + 1}" if batch else "")  # errors name the sample's
-        scores, extras = score_samples(  # place in this generation batch, all ranks' (first * n)
-            reward, samples, texts, out, first=first * n, args=args, device=device, where=where, step=step
-        )
-    return StepRollout(
-        rows, out.response_ids, out.logprobs, out.truncated, texts, scores, extras, filter_metrics={},
-        model_mask=out.model_mask, turns=out.turns, indices=indices,
-    )  # fmt: skip
-
-
-def tensor_parallel_share(indices, rows, first, out, *, rank, args, world):
-    """This rank's part of its tensor-parallel group's generation: (indices, rows, place of the first prompt,
-    Rollout). With --tensor-parallel-size T, the T consecutive ranks of a group run one vLLM engine SPMD
-    (external_launcher): each layer sums the ranks' partial results, so they must submit the same requests, or
-    the engine mixes their sequences (1.3 nats off the policy's log-probs, measured) or its collectives fail.
-    So a group generates its share of the global batch on every one of its ranks, and each rank keeps its part:
-    the prompts, seeds and split over ranks of T = 1."""
-    local = args.prompt_batch_size // world
-    kept = slice(rank % args.tensor_parallel_size * local, (rank % args.tensor_parallel_size + 1) * local)
-    return indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, args.group_size)
+# ----------------------------------------------------------------------------------------------
+# --filter-groups, tensor-parallel groups, multi-turn, streamed groups (a reader can skip these)
 
 
 def filtered_rollout(engine, train_rows, step, *, args, rank, world, timing, device, **scoring):
@@ -295,3 +207,98 @@ def filtered_rollout(engine, train_rows, step, *, args, rank, world, timing, dev
         mine["turns"] if multi else [],
         mine["row"][::n],
     )
+
+
+def tensor_parallel_share(indices, rows, first, out, *, rank, args, world):
+    """This rank's part of its tensor-parallel group's generation: (indices, rows, place of the first prompt,
+    Rollout). With --tensor-parallel-size T, the T consecutive ranks of a group run one vLLM engine SPMD
+    (external_launcher): each layer sums the ranks' partial results, so they must submit the same requests, or
+    the engine mixes their sequences (1.3 nats off the policy's log-probs, measured) or its collectives fail.
+    So a group generates its share of the global batch on every one of its ranks, and each rank keeps its part:
+    the prompts, seeds and split over ranks of T = 1."""
+    local = args.prompt_batch_size // world
+    kept = slice(rank % args.tensor_parallel_size * local, (rank % args.tensor_parallel_size + 1) * local)
+    return indices[kept], rows[kept], first + kept.start, rollout_part(out, kept, args.group_size)
+
+
+def rollout_part(out, prompts, n):
+    """The samples of `prompts` (a slice of the generated prompts, n samples each) of a Rollout."""
+    cut = slice(prompts.start * n, prompts.stop * n)
+    return Rollout(*(getattr(out, f.name)[cut] for f in dataclasses.fields(Rollout)))
+
+
+def generate(engine, rows, tools, *, n, seeds, max_new_tokens, **sampling):
+    """n responses to each row's prompt (a Rollout): one turn each, or with `tools` (a
+    multi_turn.ToolSetup) the multi-turn conversations of multi_turn.generate_turns."""
+    if tools is not None:
+        from multi_turn import generate_turns
+
+        return generate_turns(engine, rows, tools, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
+    prompts = [r["prompt_ids"] for r in rows]
+    return engine.generate(prompts, n=n, seeds=seeds, max_new_tokens=max_new_tokens, **sampling)
+
+
+def score_group(train_rows, index, out, *, step, place, args, tokenizer, reward, eos_ids, device):
+    """One prompt's group (--stream-rollouts): the StepRollout of row `index`'s n samples `out` (a Rollout),
+    scored as collect_rollout scores them; place: the prompt's in the step's global batch."""
+    row, texts, n = train_rows[index], response_texts(out, tokenizer, eos_ids), args.group_size
+    where = f"step {step}"
+    scores, extras = score_samples(
+        reward, [row] * n, texts, out, first=place * n, args=args, device=device, where=where, step=step
+    )
+    return StepRollout([row], out.response_ids, out.logprobs, out.truncated, texts, scores, extras, {}, indices=[index])
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+
+
+def make_engine(kind, model_path, *, verbose=False, **kwargs):
+    """The rollout engine `kind`: "vllm", "hf", or "auto" (vLLM when it can be imported). verbose=True
+    shows vLLM's INFO logs (its configuration at start-up, each weight sync); otherwise only its warnings."""
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            kind = "vllm"
+        except ImportError:
+            kind = "hf"
+    if kind == "vllm":
+        from vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, verbose=verbose, **kwargs)
+    if kind == "hf":
+        from hf_engine import HFEngine
+
+        return HFEngine(model_path, verbose=verbose, **kwargs)
+    raise ValueError(f"unknown rollout engine {kind!r}; expected 'auto', 'vllm' or 'hf'")
+
+
+def start_engine(args, world, ranks_here, device, dtype, trains=True):
+    """The rollout engine for --rollout, computing in `dtype` (the policy's: --dtype). With
+    --tensor-parallel-size T, each T consecutive ranks run one engine together and generate their
+    group's prompts (collect_rollout). trains: this rank also trains (not a rollout rank)."""
+    groups = world // args.tensor_parallel_size
+    # one rank that trains: the transformers engine generates with the policy's own weights (HFEngine.share), but
+    # not with LoRA (it takes the merged weights) or --offload params (it would copy each layer in per token)
+    shares_policy = args.engine_shares_policy and trains and world == 1 and not args.lora_rank
+    return make_engine(
+        args.rollout,
+        args.model,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed=True,
+        device=device,
+        verbose=args.verbose,
+        max_batch_size=args.prompt_batch_size // groups * args.group_size,  # HFEngine: a step's rollout in one batch
+        shares_policy=shares_policy and args.offload not in ("params", "both"),  # HFEngine
+        cuda_graphs=args.cuda_graphs,  # HFEngine
+        sequences=args.prompt_batch_size // groups * args.group_size,  # vLLM's KV cache on CPU: the same rollout
+        memory_gib=free_memory_gib(device, ranks_here),
+    )
+
+
+VALIDATION_STEP = -1  # validation's seeds: the same at every validation, apart from training's
