@@ -232,8 +232,7 @@ class Args:
     an advantage; k2 (mse), k3 (low_var_kl), abs: that estimate's variants, back-propagated as a loss; forward_kl_topk:
     the forward KL over the teacher's --distill-topk most likely tokens at every position, back-propagated."""
     distill_topk: int = rule(32, ">= 1", lambda v: v >= 1)
-    """forward_kl_topk: how many of the teacher's most likely tokens each position compares (verl's topk). The
-    default is lowered to a student vocabulary smaller than 32, said at start-up; a larger value given is refused."""
+    """forward_kl_topk: how many of the teacher's likeliest tokens each position compares (verl's topk); 32, or fewer."""
     distill_loss_clamp: float = rule(0.0, "> 0, or 0 for off", lambda v: v >= 0)
     """Each token's distillation loss clamped to [-C, C] (verl's loss_max_clamp); 0: off."""
     distill_logp_clamp: float = rule(0.0, "< 0, or 0 for off", lambda v: v <= 0)

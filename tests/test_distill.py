@@ -118,6 +118,20 @@ def test_the_teachers_top_k_pass_equals_the_full_softmax(tmp_path, fused, monkey
         distill.teacher_topk(model, model, batch, k=99, vocab=V, **how)
 
 
+def test_the_default_top_k_is_the_vocabulary_of_a_smaller_student_and_a_larger_one_given_is_refused(tmp_path, capsys):
+    # --distill-loss forward_kl_topk on the demo (20 words) refused "--distill-topk 32", which nobody had passed
+    model = build_tiny_model(str(tmp_path / "m"), TASK_WORDS)
+    args = Args(model=model, teacher=model, distill_loss="forward_kl_topk")
+    distill.check_teacher(args)  # before anything loads
+    said = "--distill-topk: the student has 20 vocabulary entries, fewer than the default 32: each position compares all 20"
+    assert capsys.readouterr().out == said + "\n"
+    assert distill.distill_topk(args, 20) == 20 and distill.distill_topk(args, 151_936) == 32 == Args.distill_topk
+    args.distill_topk = 25
+    assert distill.distill_topk(args, 20) == 25  # the user's value, as given
+    with pytest.raises(SystemExit, match=r"^--distill-topk 25: more than the student's 20 vocabulary entries \("):
+        distill.check_teacher(args)
+
+
 def test_a_teacher_whose_weights_changed_is_refused_on_resume_unless_allowed(tmp_path, capsys):
     """The teacher is never checkpointed, only its fingerprint: other weights at the same --teacher path would make
     the resumed run learn from another teacher. Refused, or accepted with --allow-changed teacher and said."""
@@ -548,24 +562,30 @@ def test_sigterm_during_opd_saves_and_the_rerun_continues_exactly(whole, teacher
     "flags",
     [
         ["--distill-loss", "forward_kl_topk", "--distill-topk", "4", "--no-reward", "--distill-logp-clamp", "-10"],
+        ["--distill-loss", "forward_kl_topk"],  # the default top 32 of the demo's 20 words: all 20
         ["--distill-loss", "low_var_kl", "--distill-loss-clamp", "5"],
         ["--distill-loss", "k1", "--distill-clip", "0.2", "--micro-batch-size", "4"],
     ],
-    ids=["forward_kl_topk pure", "k3 beside the reward", "k1 with its own clip"],
+    ids=["forward_kl_topk pure", "forward_kl_topk default k", "k3 beside the reward", "k1 with its own clip"],
 )
 def test_each_distill_loss_trains_end_to_end_and_logs_verls_metrics(teacher, tmp_path, flags):
     """Two steps of the tiny model with a teacher's term in the loss: finite updates, the term logged under verl's
     names (distill/loss, loss_max, loss_min; forward_kl_topk's masses), the reverse KL as for k1; without a reward
     the advantages are 0 and the teacher's term is what trains."""
-    train(tmp_path, *RUN, "--max-steps", "2", "--teacher", teacher, *flags)
+    proc = train(tmp_path, *RUN, "--max-steps", "2", "--teacher", teacher, *flags)
+    said = "--distill-topk: the student has 20 vocabulary entries, fewer than the default 32"
+    assert proc.stdout.count(said) == (flags == ["--distill-loss", "forward_kl_topk"])  # once, on rank 0
     rows = [r for r in metrics(tmp_path) if "actor/grad_norm" in r]
     assert len(rows) == 2
     for r in rows:
         assert r["actor/grad_norm"] > 0 and all(map(math.isfinite, (r["actor/grad_norm"], r["distill/loss"])))
         assert r["distill/loss_min"] <= r["distill/loss_max"] and r["distill/reverse_kl/mean"] != 0
         if "forward_kl_topk" in flags:
-            assert 0 < r["distill/student_mass"] < 1 and 0 < r["distill/teacher_mass"] <= 1
-            assert r["distill/loss_min"] >= 0 and r["critic/advantages/max"] == r["critic/advantages/min"] == 0
+            whole = "--distill-topk" not in flags  # the default takes all 20 words: the whole mass
+            assert r["distill/student_mass"] == pytest.approx(1) if whole else 0 < r["distill/student_mass"] < 1
+            assert 0 < r["distill/teacher_mass"] <= 1
+            assert r["distill/loss_min"] >= 0
+            assert "--no-reward" not in flags or r["critic/advantages/max"] == r["critic/advantages/min"] == 0
 
 
 @pytest.mark.slow
