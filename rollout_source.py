@@ -52,25 +52,21 @@ class Colocated:
         world,
         device,
     ):
-        self.engine, self.made_ahead, self.dtype, self.args, self.train_rows = (
-            engine,
-            made_ahead,
-            dtype,
-            args,
-            train_rows,
-        )
+        self.engine, self.made_ahead, self.dtype, self.args = engine, made_ahead, dtype, args
+        self.train_rows = train_rows
         self.inputs = dict(tokenizer=tokenizer, eos_ids=eos_ids, tools=tools)
         self.val_rows, self.reward, self.rank, self.world, self.device = val_rows, reward, rank, world, device
         self.probe = dict(probe=probe_ids(train_rows), pad_id=pad_id, device=device)
         self.gap = None  # the last weight sync's probe gap (weight_sync.py)
 
     def take(self, step, timing):
-        """Step `step`'s rollout, generating it (and with S >= 1 those up to step + S) if not held yet."""
-        how = dict(args=self.args, rank=self.rank, world=self.world, reward=self.reward, device=self.device)
-        make = partial(collect_rollout, self.engine, self.train_rows, timing=timing, **how, **self.inputs)
+        """Step `step`'s rollout: rollout.collect_rollout on this rank's engine, which holds the weights of step
+        - 1. With --max-staleness S, made up to S steps ahead by older weights (async_rollout.RolloutsAhead)."""
+        collect = partial(collect_rollout, self.engine, self.train_rows, args=self.args, rank=self.rank,
+                          world=self.world, reward=self.reward, device=self.device, timing=timing, **self.inputs)  # fmt: skip
         if self.args.max_staleness or self.made_ahead.ready:  # made ahead, or held by the checkpoint resumed
-            return self.made_ahead.take(step, make)
-        ro = make(step)  # the synchronous loop: the engine holds version step - 1
+            return self.made_ahead.take(step, collect)
+        ro = collect(step)  # the synchronous loop
         ro.versions = [step - 1] * len(ro.response_ids)
         return ro
 
@@ -122,14 +118,8 @@ class RolloutRanks:
     (rollout_ranks.Trainers: collectives among the trainers; trainer rank 0 talks to the rollout ranks)."""
 
     def __init__(self, split, made_ahead, dtype, *, args, train_rows, pad_id, rank, world, device):
-        self.made_ahead, self.dtype, self.args, self.train_rows, self.rank, self.world = (
-            made_ahead,
-            dtype,
-            args,
-            train_rows,
-            rank,
-            world,
-        )
+        self.made_ahead, self.dtype, self.args, self.train_rows = made_ahead, dtype, args, train_rows
+        self.rank, self.world = rank, world
         self.remote = Trainers(split, rank=rank, world=world, args=args, train_rows=train_rows)
         self.remote.probe = dict(ids=probe_ids(train_rows), pad_id=pad_id, device=device)
 
