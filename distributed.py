@@ -80,19 +80,23 @@ def is_peer_failure(error):
 # A polite stop: SIGTERM (Slurm, Kubernetes, torchrun passing one on) and SIGINT (Ctrl-C)
 
 _stop = {"signal": None}
+# A signal after the last step has no step boundary to stop at: the run ends as if none had come.
+STOPPING = (
+    "stopping at the next step boundary (after the last step: the run finishes as usual and writes its final model)"
+)
 
 
 def catch_stop_signals():
     """From now on SIGTERM and SIGINT only ask the run to stop (stop_requested): the trainer then
     saves a checkpoint at the next step boundary and exits, instead of dying mid-step and losing every
-    step since the last save. A second signal is the same request; SIGKILL still kills at once. A rank in
+    step since the last save; after the last step the run ends as it would have. A second signal is the same request; SIGKILL still kills at once. A rank in
     a reward function's or a tool's call says which, and for how long: that is why its peers gave up on it
     (torchrun passes this rank a SIGTERM when another one failed)."""
 
     def ask(signum, frame):
         who = ("rollout rank " if os.environ.get("GRPO_ROLLOUT_SIDE") else "rank ") + os.environ.get("RANK", "0")
-        if _stop["signal"] is None:
-            print(f"{who}: {signal.Signals(signum).name}: stopping at the next step boundary", flush=True)
+        if _stop["signal"] is None:  # the handler cannot tell whether a step is left: it says what each case does
+            print(f"{who}: {signal.Signals(signum).name}: {STOPPING}", flush=True)
         for line in waits():
             print(f"{who}: {signal.Signals(signum).name} came while {line}", flush=True)
         _stop["signal"] = signum

@@ -1,6 +1,8 @@
-"""distributed.py: metrics reduced over two real gloo processes, including keys one rank lacks."""
+"""distributed.py: metrics reduced over two real gloo processes, including keys one rank lacks; what a stop
+signal says."""
 
 import os
+import subprocess
 import sys
 
 import torch
@@ -43,3 +45,17 @@ def test_metrics_are_reduced_over_ranks_even_when_their_keys_differ():
         "reward_extra/acc/mean": 0.5,
     }
     assert results[0] == results[1] == expected  # the same on both ranks; the extra key averaged where it exists
+
+
+def test_a_stop_signal_says_what_it_does_with_a_step_left_and_after_the_last():
+    # a SIGTERM after the last step said "stopping at the next step boundary", of which there was none
+    code = "import os, signal, distributed; distributed.catch_stop_signals(); os.kill(os.getpid(), signal.SIGTERM)"
+    code += "; print(distributed.stop_signal())"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RANK": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == [
+        "rank 1: SIGTERM: stopping at the next step boundary "
+        "(after the last step: the run finishes as usual and writes its final model)",
+        "15",  # asked to stop; the loop decides where
+    ], out.stderr[-2000:]
