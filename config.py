@@ -32,9 +32,6 @@ def one_of(default, choices):
 @dataclass
 class Args:
     # --- model and data
-    config: str = ""
-    """A recipe file, .yaml or .json: our flags by name (a run's config.json too), TRL's GRPOConfig fields or verl's
-    keys; flags on the command line win. verl's keys also go on the command line as key=value (docs/from_verl_trl.md)."""
     model: str = "tiny"
     """Hugging Face model id or local directory; "tiny" builds the random-init demo model locally."""
     train_data: str = ""
