@@ -130,11 +130,11 @@ def main(argv=None):
          f"weights, at most {largest:.3g} for one")  # fmt: skip
 
     # ---- 5. the new weights to the engine
-    show("rollout.py:start_engine", "weight sync: none here; this engine samples from the policy's own weights. "
-         "vLLM, or several ranks, copy them in and check a probe (weight_sync.sync_and_check)")  # fmt: skip
-    record.update(
-        stats=stats, grad_norms=grad_norms, weights={k: v.detach().clone() for k, v in policy.state_dict().items()}
-    )
+    show("weight_sync.py:sync_and_check", "the new weights to the engine: nothing to copy here, this engine samples "
+         "from the policy's own weights; vLLM gets each parameter streamed in (vllm_engine.update_weights), then a "
+         "probe's log-probs are checked against the trainer's")  # fmt: skip
+    weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    record.update(stats=stats, grad_norms=grad_norms, weights=weights)
     return record
 
 

@@ -73,161 +73,7 @@ from run_log import RunLog, end_profile, sample_records, should_stop, start_prof
 from user_errors import record_root_cause
 
 # ----------------------------------------------------------------------------------------------
-# Setup: the run directory, the demo's inputs, the data, the engine, resuming
-
-
-def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
-    """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the frozen teacher
-    (--teacher, distill.load_teacher), the reward model, the engine put to sleep, the update's memory check,
-    AdamW and the learning-rate schedule. Returns (policy, the frozen models {"reference", "teacher"}, reward
-    model, optimizer, scheduler, LoRA's args, the fingerprints of LoRA's base and the teacher)."""
-    lora_args = (
-        (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
-    )
-    policy, reference = load_policy(
-        args.model, mesh, device, dtype, reference=args.kl_coef > 0, lora_args=lora_args,
-        offload=args.offload in ("params", "both"), grad_checkpointing=args.grad_checkpointing,
-        compiled=args.compile_blocks,
-    )  # fmt: skip
-    teacher = (
-        distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
-    )
-    rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
-    # what checkpoints hold no copy of, checked on resume: LoRA's frozen base, the teacher
-    fingerprint = dict(base_fingerprint=lora.base_fingerprint(policy) if lora_args else None)
-    fingerprint["teacher_fingerprint"] = distill.teacher_fingerprint(args, teacher)
-    if getattr(engine, "shares_policy", False):  # one rank, the transformers engine: no copy of its own
-        engine.share(policy)
-    elif engine:
-        engine.sleep()
-    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
-    kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
-    check_update_memory(  # after they all loaded
-        args, policy, trained, frozen=(reference, teacher), world=world, ranks_here=ranks_here, device=device,
-        kv_cache_gib=kv_cache_gib,
-    )  # fmt: skip
-    optimizer, scheduler = make_optimizer(trained, args, total_steps, device)
-    return policy, dict(reference=reference, teacher=teacher), rm, optimizer, scheduler, lora_args, fingerprint
-
-
-# ----------------------------------------------------------------------------------------------
-# One step's pieces: the loss, the update
-
-
-def logprob_passes(batch, policy, reference, *, args, on_policy, device, timing):
-    """Step 5, timed under verl's names: the old log-probs (old_log_prob), recomputed only when the update is not
-    exactly on-policy (on-policy the loss uses its own, detached) or a teacher's term needs them, and the frozen
-    reference's (ref) with --kl-coef > 0. Sets batch["old_logp"] and batch["ref_logp"]; returns the old ones or None."""
-    passes = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
-    with timed(timing, "old_log_prob"):
-        old = compute_logprobs(policy, batch, device=device, **passes) if args.teacher or not on_policy else None
-        batch["old_logp"] = None if on_policy else old
-    with timed(timing, "ref"):
-        if args.kl_coef > 0:
-            batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **passes)
-    return old
-
-
-def update_policy(policy, optimizer, batch, *, step, args, world, device):
-    """ppo_epochs x mini-batches x micro-batches of the loss, one optimizer step per mini-batch; the
-    batch carries each token's advantage and old, reference and engine log-probs (policy.PER_TOKEN).
-    Returns (stats: each micro-batch's loss terms, grad_norm on each mini-batch's last; the
-    trainer's log-probs of the sampled tokens [N, R]; how many optimizer steps were skipped)."""
-    mask = batch["response_mask"]  # [N, R]
-    mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
-    stats, trainer_logp, skipped = [], torch.zeros_like(mask), 0
-    policy.train()
-    for _ in range(args.ppo_epochs):
-        for m0 in range(0, mask.shape[0], mini_local):
-            rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
-            whole = all_sum(loss_denominator(mask[rows], args), device)  # the mini-batch's tokens, all ranks'
-            optimizer.zero_grad(set_to_none=True)
-            for mb_rows in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
-                mb = micro_batch(batch, mb_rows)  # these rows' tensors, cut to the columns they use
-                topk = mb.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
-                logp, entropy = response_logprobs(
-                    policy, mb, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
-                )  # [b, r] each
-                loss, terms, old = micro_batch_loss(logp, entropy, mb, args=args, whole=whole, world=world)
-                if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
-                    trainer_logp[mb_rows, : old.shape[1]] = old.float().cpu()
-                loss.backward()  # weighted: the micro-batches' gradients add up to the mini-batch's
-                stats.append(terms)
-            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)).item()
-            skipped += not guarded_step(optimizer, grad_norm, step=step, offload=args.offload, device=device)
-            optimizer.zero_grad(set_to_none=True)
-            stats[-1]["grad_norm"] = grad_norm
-    return stats, trainer_logp, skipped
-
-
-def abandoned(step, rng_before, device):
-    """Whether SIGTERM or SIGINT asked to stop during step `step`'s rollout (the signal, or None). The update has
-    not started, so the step is abandoned as if it had never begun: the random generators go back to
-    `rng_before`, the step's start, which a checkpoint of step - 1 holds."""
-    crash_point("rollout", step)  # the kill -9 and SIGTERM tests stop a run here
-    if asked := stop_requested(device):
-        rng.set_state(rng_before)
-    return asked
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def training_batch(ro, samples, args, pad_id, device):
-    """The step's batch for the update (policy.make_batch), with each token's advantage (group-normalised;
-    each prompt's group lives on one rank, REINFORCE++ whitens over all ranks' tokens) and engine log-prob.
-    Returns (batch, advantages: [N], or [N, R] for REINFORCE++, the model's tokens [N, R] truncated or not)."""
-    group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
-    batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
-    mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
-    unscored = ro.extras.get("reward_unscored")  # TRL's functions all returned None: left out (advantage.py)
-    advantages = compute_advantages(ro.scores, args.group_size, estimator=args.adv_estimator, response_mask=mask,
-                                    norm_by_std=args.norm_adv_by_std, total=partial(all_sum_tensor, device=device),
-                                    unscored=unscored)  # fmt: skip
-    batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
-    if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
-        batch["response_mask"] = mask * ~torch.tensor(ro.truncated)[:, None]
-    batch["engine_logp"] = torch.zeros_like(mask)  # [N, R]
-    for i, lp in enumerate(ro.logprobs):
-        batch["engine_logp"][i, : len(lp)] = torch.tensor(lp)
-    return batch, advantages, mask
-
-
-def stopped_early(asked, done, saved, *, total_steps, args, checkpointer, save, log, rank):
-    """SIGTERM or SIGINT stopped the run after step `done`: keep what was done and say how to go on."""
-    if checkpointer and done > saved:
-        save(done)
-    if checkpointer:
-        checkpointer.wait()
-        where = f"{checkpoint.step_dir(args.out_dir, done)} holds it" if done else "nothing to save yet"
-        message = (
-            f"stopped by {asked.name} after step {done} of {total_steps} ({where}): rerun the same command to continue"
-        )
-    else:
-        message = f"stopped by {asked.name} after step {done} of {total_steps}; --save-freq -1 wrote no checkpoint, so a rerun starts over"
-    log.close()
-    if rank == 0 and done > 0:
-        report.write_report(args.out_dir)
-    return message
-
-
-def save_final(args, policy, tokenizer, *, done, dtype, lora_args, rank):
-    """The policy (never the reference) in Hugging Face format, then the end-of-run health report."""
-    if args.save_model:
-        if lora_args:  # first: a final_model of this step says that both are complete
-            lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
-            print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
-        save_hf(
-            policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done, dtype=dtype
-        )  # LoRA: merged
-        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
-    if rank == 0:  # last, so nothing is lost if it fails: the health report, from the run directory alone
-        path, verdicts = report.write_report(args.out_dir)
-        counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
-        print0(f"health report: {path}: {verdicts['overall']} ({counts})")
-
-
-# ----------------------------------------------------------------------------------------------
+# The story: setup, then each step from its prompts to its checkpoint
 
 
 def main():
@@ -390,6 +236,154 @@ def main():
     log.close()
     save_final(args, policy, tokenizer, done=done, dtype=dtype, lora_args=lora_args, rank=rank)
     startup.close(engine, tools, rollouts, early=done < total_steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The story's pieces, in the order main calls them
+
+
+def load_trainer(args, mesh, device, dtype, engine, *, world, ranks_here, total_steps):
+    """The FSDP2 policy (with --kl-coef, the frozen reference; with --lora-rank, adapters), the frozen teacher
+    (--teacher, distill.load_teacher), the reward model, the engine put to sleep, the update's memory check,
+    AdamW and the learning-rate schedule. Returns (policy, the frozen models {"reference", "teacher"}, reward
+    model, optimizer, scheduler, LoRA's args, the fingerprints of LoRA's base and the teacher)."""
+    lora_args = (
+        (args.lora_rank, args.lora_alpha, args.lora_target_modules, args.lora_dropout) if args.lora_rank else None
+    )
+    policy, reference = load_policy(
+        args.model, mesh, device, dtype, reference=args.kl_coef > 0, lora_args=lora_args,
+        offload=args.offload in ("params", "both"), grad_checkpointing=args.grad_checkpointing,
+        compiled=args.compile_blocks,
+    )  # fmt: skip
+    teacher = (
+        distill.load_teacher(args, policy, reference, mesh=mesh, device=device, dtype=dtype) if args.teacher else None
+    )
+    rm = reward_model.load_reward_model(args.reward_model, mesh, device, dtype) if args.reward_model else None
+    # what checkpoints hold no copy of, checked on resume: LoRA's frozen base, the teacher
+    fingerprint = dict(base_fingerprint=lora.base_fingerprint(policy) if lora_args else None)
+    fingerprint["teacher_fingerprint"] = distill.teacher_fingerprint(args, teacher)
+    if getattr(engine, "shares_policy", False):  # one rank, the transformers engine: no copy of its own
+        engine.share(policy)
+    elif engine:
+        engine.sleep()
+    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA, the adapters only
+    kv_cache_gib = getattr(engine, "kv_cache_gib", None)  # on CPU the engine keeps its KV cache while training
+    check_update_memory(  # after they all loaded
+        args, policy, trained, frozen=(reference, teacher), world=world, ranks_here=ranks_here, device=device,
+        kv_cache_gib=kv_cache_gib,
+    )  # fmt: skip
+    optimizer, scheduler = make_optimizer(trained, args, total_steps, device)
+    return policy, dict(reference=reference, teacher=teacher), rm, optimizer, scheduler, lora_args, fingerprint
+
+
+def abandoned(step, rng_before, device):
+    """Whether SIGTERM or SIGINT asked to stop during step `step`'s rollout (the signal, or None). The update has
+    not started, so the step is abandoned as if it had never begun: the random generators go back to
+    `rng_before`, the step's start, which a checkpoint of step - 1 holds."""
+    crash_point("rollout", step)  # the kill -9 and SIGTERM tests stop a run here
+    if asked := stop_requested(device):
+        rng.set_state(rng_before)
+    return asked
+
+
+def training_batch(ro, samples, args, pad_id, device):
+    """The step's batch for the update (policy.make_batch), with each token's advantage (group-normalised;
+    each prompt's group lives on one rank, REINFORCE++ whitens over all ranks' tokens) and engine log-prob.
+    Returns (batch, advantages: [N], or [N, R] for REINFORCE++, the model's tokens [N, R] truncated or not)."""
+    group = args.group_size if args.share_prompts else 1  # shared: each prompt runs once per group
+    batch = make_batch([r["prompt_ids"] for r in samples], ro.response_ids, pad_id, group, ro.model_mask)
+    mask = batch["response_mask"]  # [N, R] the model's tokens (multi-turn: not the tools')
+    unscored = ro.extras.get("reward_unscored")  # TRL's functions all returned None: left out (advantage.py)
+    advantages = compute_advantages(ro.scores, args.group_size, estimator=args.adv_estimator, response_mask=mask,
+                                    norm_by_std=args.norm_adv_by_std, total=partial(all_sum_tensor, device=device),
+                                    unscored=unscored)  # fmt: skip
+    batch["advantages"] = advantages if advantages.dim() == 2 else advantages[:, None] * mask  # [N, R]
+    if args.mask_truncated:  # truncated responses count for nothing in the loss; the metrics still see them
+        batch["response_mask"] = mask * ~torch.tensor(ro.truncated)[:, None]
+    batch["engine_logp"] = torch.zeros_like(mask)  # [N, R]
+    for i, lp in enumerate(ro.logprobs):
+        batch["engine_logp"][i, : len(lp)] = torch.tensor(lp)
+    return batch, advantages, mask
+
+
+def logprob_passes(batch, policy, reference, *, args, on_policy, device, timing):
+    """Step 5, timed under verl's names: the old log-probs (old_log_prob), recomputed only when the update is not
+    exactly on-policy (on-policy the loss uses its own, detached) or a teacher's term needs them, and the frozen
+    reference's (ref) with --kl-coef > 0. Sets batch["old_logp"] and batch["ref_logp"]; returns the old ones or None."""
+    passes = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
+    with timed(timing, "old_log_prob"):
+        old = compute_logprobs(policy, batch, device=device, **passes) if args.teacher or not on_policy else None
+        batch["old_logp"] = None if on_policy else old
+    with timed(timing, "ref"):
+        if args.kl_coef > 0:
+            batch["ref_logp"] = reference_logprobs(policy, reference, batch, device=device, **passes)
+    return old
+
+
+def update_policy(policy, optimizer, batch, *, step, args, world, device):
+    """ppo_epochs x mini-batches x micro-batches of the loss, one optimizer step per mini-batch; the
+    batch carries each token's advantage and old, reference and engine log-probs (policy.PER_TOKEN).
+    Returns (stats: each micro-batch's loss terms, grad_norm on each mini-batch's last; the
+    trainer's log-probs of the sampled tokens [N, R]; how many optimizer steps were skipped)."""
+    mask = batch["response_mask"]  # [N, R]
+    mini_local = args.mini_batch_size // world * args.group_size  # sequences per optimizer step on this rank
+    stats, trainer_logp, skipped = [], torch.zeros_like(mask), 0
+    policy.train()
+    for _ in range(args.ppo_epochs):
+        for m0 in range(0, mask.shape[0], mini_local):
+            rows = list(range(m0, min(m0 + mini_local, mask.shape[0])))
+            whole = all_sum(loss_denominator(mask[rows], args), device)  # the mini-batch's tokens, all ranks'
+            optimizer.zero_grad(set_to_none=True)
+            for mb_rows in micro_batches(batch, rows, args.micro_batch_size, args.micro_batch_tokens):
+                mb = micro_batch(batch, mb_rows)  # these rows' tensors, cut to the columns they use
+                topk = mb.get("teacher_topk_ids")  # forward_kl_topk: the student's log-probs there, in the same pass
+                logp, entropy = response_logprobs(
+                    policy, mb, device, args.temperature, entropy_grad=args.entropy_coef > 0, extra_ids=topk
+                )  # [b, r] each
+                loss, terms, old = micro_batch_loss(logp, entropy, mb, args=args, whole=whole, world=world)
+                if args.engine_logprobs:  # for the engine-vs-trainer gap; a device sync, so only when asked
+                    trainer_logp[mb_rows, : old.shape[1]] = old.float().cpu()
+                loss.backward()  # weighted: the micro-batches' gradients add up to the mini-batch's
+                stats.append(terms)
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)).item()
+            skipped += not guarded_step(optimizer, grad_norm, step=step, offload=args.offload, device=device)
+            optimizer.zero_grad(set_to_none=True)
+            stats[-1]["grad_norm"] = grad_norm
+    return stats, trainer_logp, skipped
+
+
+def stopped_early(asked, done, saved, *, total_steps, args, checkpointer, save, log, rank):
+    """SIGTERM or SIGINT stopped the run after step `done`: keep what was done and say how to go on."""
+    if checkpointer and done > saved:
+        save(done)
+    if checkpointer:
+        checkpointer.wait()
+        where = f"{checkpoint.step_dir(args.out_dir, done)} holds it" if done else "nothing to save yet"
+        message = (
+            f"stopped by {asked.name} after step {done} of {total_steps} ({where}): rerun the same command to continue"
+        )
+    else:
+        message = f"stopped by {asked.name} after step {done} of {total_steps}; --save-freq -1 wrote no checkpoint, so a rerun starts over"
+    log.close()
+    if rank == 0 and done > 0:
+        report.write_report(args.out_dir)
+    return message
+
+
+def save_final(args, policy, tokenizer, *, done, dtype, lora_args, rank):
+    """The policy (never the reference) in Hugging Face format, then the end-of-run health report."""
+    if args.save_model:
+        if lora_args:  # first: a final_model of this step says that both are complete
+            lora.save_adapter(policy, os.path.join(args.out_dir, "final_adapter"), rank)
+            print0(f"saved the LoRA adapter to {os.path.join(args.out_dir, 'final_adapter')}")
+        save_hf(
+            policy, tokenizer, os.path.join(args.out_dir, "final_model"), rank, step=done, dtype=dtype
+        )  # LoRA: merged
+        print0(f"saved the policy to {os.path.join(args.out_dir, 'final_model')}")
+    if rank == 0:  # last, so nothing is lost if it fails: the health report, from the run directory alone
+        path, verdicts = report.write_report(args.out_dir)
+        counts = ", ".join(f"{verdicts[k]} {k}" for k in ("problem", "watch", "healthy"))
+        print0(f"health report: {path}: {verdicts['overall']} ({counts})")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The trainer's weights into a rollout engine, and the checks that the engine then serves them.
 
-Colocated (every rank its own engine, the default): sync_and_check copies them in, one full parameter
-at a time. With --rollout-ranks, trainer rank 0 sends them to the rollout ranks (rollout_ranks.py)
-packed into buckets of about BUCKET_MB each (pack / unpack), after a header naming each tensor's place
-and each bucket's float64 sum and sum of squares, which the receiver checks. With LoRA both send the
-merged weights.
+Colocated (every rank its own engine, the default): sync_and_check streams them in, engine.update_weights(
+policy.full_parameters(...)): each parameter all-gathered from its FSDP2 shards, one at a time, and loaded in place
+by vLLM's own weight loader (vllm_engine.update_weights; no disk, no second copy). With --rollout-ranks, trainer
+rank 0 sends them to the rollout ranks (rollout_ranks.py) in buckets of about BUCKET_MB (pack / unpack), each
+bucket's float64 sum and sum of squares checked by the receiver. With LoRA both send the merged weights.
 
 After every sync, check_engine compares the engine's log-probs of a fixed probe (the start of a
 training prompt) with the trainer's; every step, check_rollout those of the sampled tokens (the probe
