@@ -149,8 +149,9 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     tools.render_prompt) into row["prompt_ids"]; a text prompt (prompt-only datasets) is tokenized as it
     stands, as TRL does. A prompt that renders to no tokens is an error naming its file and row
     (check_prompt_tokens). Rows whose prompt is longer than max_prompt_length tokens are dropped (those that
-    cannot fit by their characters alone before any renders: cannot_fit); returns (rows, how many were dropped). All of them dropped is an error, and so is a tokenizer without a chat template
-    for chat prompts (checked before verl's data is read). Prompts with words the tokenizer does not know
+    cannot fit by their characters alone before any renders: cannot_fit); returns (rows, how many were dropped).
+    All of them dropped is an error, and so is a tokenizer without a chat template for chat prompts (checked
+    before verl's data is read). Prompts with words the tokenizer does not know
     (its unk token) are counted and reported, not dropped. A prompt-only dataset has no data_source to pick a
     built-in reward: with `known_sources` (no --reward-fn) it is refused. need_truth=False (--no-reward):
     verl rows need no ground truth (load_dataset).

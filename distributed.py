@@ -89,9 +89,10 @@ STOPPING = (
 def catch_stop_signals():
     """From now on SIGTERM and SIGINT only ask the run to stop (stop_requested): the trainer then
     saves a checkpoint at the next step boundary and exits, instead of dying mid-step and losing every
-    step since the last save; after the last step the run ends as it would have. A second signal is the same request; SIGKILL still kills at once. A rank in
-    a reward function's or a tool's call says which, and for how long: that is why its peers gave up on it
-    (torchrun passes this rank a SIGTERM when another one failed)."""
+    step since the last save; after the last step the run ends as it would have. A second signal is the
+    same request; SIGKILL still kills at once. A rank in a reward function's or a tool's call says which,
+    and for how long: that is why its peers gave up on it (torchrun passes this rank a SIGTERM when
+    another one failed)."""
 
     def ask(signum, frame):
         who = ("rollout rank " if os.environ.get("GRPO_ROLLOUT_SIDE") else "rank ") + os.environ.get("RANK", "0")
