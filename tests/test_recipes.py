@@ -137,6 +137,24 @@ def test_verl_keys_given_again_later_replace_and_verl_defaults_fill_the_rest(tmp
     assert cli.parse_args(base + ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "--epochs", "2"]).epochs == 2
 
 
+def test_verl_offload_keys_on_a_gpu_and_on_a_cpu():
+    """On a GPU, verl's param_offload and optimizer_offload are --offload's; the reference's alone cannot be honoured
+    (ours offloads it with the policy's) and is refused by name. On a CPU the three have no effect, named."""
+    keys = [f"{verl_keys.A}fsdp_config.param_offload=True", f"{verl_keys.A}fsdp_config.optimizer_offload=True"]
+    ref, grpo = f"{verl_keys.REF}fsdp_config.param_offload=True", ["algorithm.adv_estimator=grpo", f"{verl_keys.R}n=4"]
+    keys, ref = [*grpo, *keys], [*grpo, ref]
+    assert recipe.read("", keys + ref, {}, cuda=True).values["offload"] == "both"
+    assert recipe.read("", grpo + keys[3:], {}, cuda=True).values["offload"] == "optimizer"
+    with pytest.raises(
+        recipe.RecipeError, match=r"the command line: actor_rollout_ref.ref.fsdp_config.param_offload=True: ours"
+    ):
+        recipe.read("", ref, {}, cuda=True)
+    on_cpu = recipe.read("", keys + ref, {}, cuda=False)
+    assert "offload" not in on_cpu.values and "a CPU run keeps everything in CPU memory already" in " ".join(
+        on_cpu.lines
+    )
+
+
 def test_verl_keys_in_a_yaml_file_nested_or_dotted(tmp_path):
     model, train, val = files(tmp_path)
     (tmp_path / "verl.yaml").write_text(
