@@ -9,6 +9,9 @@ another. docs/from_verl_trl.md is this table in words.
     torchrun --nproc_per_node=1 train_grpo.py algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=5 ...
 """
 
+import dataclasses
+
+from config import Args
 from translate import SKIP, Ratio, accepted, key_table, refuse, rule_table, table
 
 A, R, M, REF = (
@@ -112,7 +115,7 @@ reward.custom_reward_function.name                   | compute_score            
 """)
 DEFAULTS = {key: default for key, (default, _) in KEYS.items()}
 LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard", "file": "jsonl"}
-ADV = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk")
+ADV = next(f.metadata["choices"] for f in dataclasses.fields(Args) if f.name == "adv_estimator")  # ours, by name
 
 
 def same(value):
