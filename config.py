@@ -38,6 +38,10 @@ class Args:
     """Training parquet in verl's schema; empty: the synthetic task, written to <out-dir>/data."""
     val_data: str = ""
     """Validation parquet in verl's schema; empty: the synthetic task's test split."""
+    prompt_column: str = rule("prompt", "a column's name", lambda v: bool(v.strip()))
+    """TRL's prompt-only data: the column whose text is the user's turn (open-r1's dataset_prompt_column)."""
+    system_prompt: str = ""
+    """TRL's prompt-only data: a system message put before each prompt (open-r1's system_prompt)."""
     out_dir: str = "runs/grpo"
     """Run directory: config.json, metrics.jsonl, samples/ and the final model."""
     reward_fn: str = ""
@@ -102,9 +106,8 @@ class Args:
     tensor_parallel_size: int = rule(1, ">= 1", lambda v: v >= 1)
     """vLLM tensor parallelism: this many consecutive ranks share one engine (a divisor of the ranks)."""
     engine_shares_policy: bool = True
-    """With the transformers engine (--rollout hf) on one rank: generate with the policy's own weights, as TRL
-    does without vLLM: no second copy, no weight sync. Not with LoRA or --offload params, which keep the engine's
-    own copy, synced every step, as two or more ranks do; so does --no-engine-shares-policy."""
+    """With the transformers engine (--rollout hf) on one rank: generate with the policy's own weights, as TRL does
+    without vLLM (no copy, no sync); not with LoRA or --offload params, or 2+ ranks, whose engine's copy is synced."""
     cuda_graphs: bool = True
     """The transformers engine on CUDA: each new token is one replay of a CUDA graph of the decode step (a static
     KV cache; captured once per batch), not a Python launch of every kernel. --no-cuda-graphs: eagerly."""
@@ -116,17 +119,14 @@ class Args:
     micro_batch_size: int = rule(16, ">= 1", lambda v: v >= 1)
     """Sequences per forward/backward on each rank (gradient accumulation; verl's ..._per_gpu)."""
     micro_batch_tokens: int = rule(0, ">= 0 (0: off)", lambda v: v >= 0)
-    """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens
-    per forward/backward instead (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu); with
-    --share-prompts, whole groups, each prompt counted once."""
+    """If > 0, micro-batches are sequences of similar length packed up to this many padded tokens per forward/backward
+    (verl's use_dynamic_bsz, ppo_max_token_len_per_gpu); with --share-prompts, whole groups, each prompt once."""
     share_prompts: bool = True
-    """Run each prompt once per group in the update and the log-prob passes, its n responses on top of
-    its KV cache, instead of once per response: the same numbers (to float rounding) for fewer tokens.
-    Micro-batches then hold whole groups (at least one). Off by default with --grad-checkpointing,
-    which drops the cache."""
+    """Run each prompt once per group in the update and the log-prob passes, its n responses on top of its KV cache:
+    the same numbers (to float rounding) for fewer tokens. Micro-batches then hold whole groups (at least one). Off
+    by default with --grad-checkpointing, which drops the cache."""
     lr: float = rule(1e-6, ">= 0", lambda v: v >= 0)
-    """Peak AdamW learning rate (0 freezes the policy: a baseline or a test). With --lora-rank, about 10x
-    what full fine-tuning would use."""
+    """Peak AdamW learning rate (0 freezes the policy: a test). With --lora-rank, about 10x full fine-tuning's."""
     lr_schedule: str = one_of("constant", ("constant", "cosine"))  # adamw.lr_factor
     """constant or cosine, after warmup."""
     warmup_steps: int = rule(0, ">= 0", lambda v: v >= 0)

@@ -143,7 +143,8 @@ def load_dataset(path, skip_invalid=False, known_sources=None, schemas=None, nee
 RENDER_BATCH = 256
 
 
-def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None, need_truth=True):
+def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, schemas=None, need_truth=True,
+                 prompt_column="prompt", system_prompt=""):  # fmt: skip
     """load_dataset (or, for TRL's prompt-only datasets, prompt_data.load_prompt_only), then each row's prompt
     rendered with the tokenizer's chat template (and the generation prompt; with `schemas`, the tools:
     tools.render_prompt) into row["prompt_ids"]; a text prompt (prompt-only datasets) is tokenized as it
@@ -156,7 +157,9 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
     built-in reward: with `known_sources` (no --reward-fn) it is refused. need_truth=False (--no-reward):
     verl rows need no ground truth (load_dataset).
     From here on, each of the tokenizer's renders is bounded in time (bound_chat_template)."""
-    prompt_only = is_prompt_only(path)
+    prompt_only = is_prompt_only(path, prompt_column)
+    if not prompt_only and (prompt_column != "prompt" or system_prompt):
+        raise DataError(f"{path}: verl's schema; --prompt-column and --system-prompt are for TRL's prompt-only data")
     if prompt_only and known_sources is not None:
         raise DataError(
             f"{path}: a prompt-only dataset (TRL's: a 'prompt' column and no data_source), so no built-in reward "
@@ -164,7 +167,7 @@ def load_prompts(path, tokenizer, known_sources=None, max_prompt_length=None, sc
             "functions work as they are), or an installed module's: --reward-fn trl.rewards:think_format_reward"
         )
     if prompt_only:
-        rows = load_prompt_only(path)
+        rows = load_prompt_only(path, prompt_column, system_prompt)  # open-r1's: built from the column (and system)
         chat = not isinstance(rows[0]["prompt"], str)
         if chat:
             check_chat_template(tokenizer)

@@ -154,9 +154,10 @@ def columns(path):
         return None if kind == "parquet" else []
 
 
-def is_prompt_only(path):
-    """Whether `path` is a prompt-only dataset: a "prompt" column, and none of verl's. jsonl and save_to_disk
-    hold only these: verl's schema is read from parquet (DataError, saying so, for verl's columns there)."""
+def is_prompt_only(path, column="prompt"):
+    """Whether `path` is a prompt-only dataset: a prompt column (`column`, --prompt-column), and none of verl's.
+    jsonl and save_to_disk hold only these: verl's schema is read from parquet (DataError, saying so, for verl's
+    columns there)."""
     names = columns(path)
     if names is None:
         return False
@@ -170,7 +171,7 @@ def is_prompt_only(path):
             f"{path}: has verl's column(s) {verl}{first}, and verl's schema is read from parquet (data_prep.py "
             "writes it); for TRL's prompt-only format drop them and keep a 'prompt' column"
         )
-    return storage(path) != "parquet" or ("prompt" in names and not verl)
+    return storage(path) != "parquet" or (column in names and not verl)
 
 
 def prompt_problem(prompt, text):
@@ -187,21 +188,27 @@ def prompt_problem(prompt, text):
     return None
 
 
-def load_prompt_only(path):
+def load_prompt_only(path, column="prompt", system=""):
     """The rows of a prompt-only dataset, each checked: its prompt is text or a list of {"role", "content"}
-    messages, the same kind as row 0's (TRL reads one or the other). Every bad row is named (the first 10)."""
+    messages, the same kind as row 0's (TRL reads one or the other). Every bad row is named (the first 10).
+    As open-r1's script builds them: with another `column` (--prompt-column), row["prompt"] is its text as the
+    user's turn; with a `system` prompt (--system-prompt), that system message comes first."""
     rows, where = read_rows(path)
     if not rows:
         raise DataError(f"{path}: has no rows")
-    missing = [i for i, row in enumerate(rows) if "prompt" not in row]
-    text = isinstance(rows[0].get("prompt"), str)
+    missing = [i for i, row in enumerate(rows) if column not in row]
+    text = isinstance(rows[0].get(column), str)  # row 0's kind: text, or chat messages
+    build = column != "prompt" or system  # open-r1's: the prompt made from the column, after the system message
     bad = []
     for i, row in enumerate(rows):
-        problem = "missing; a prompt-only dataset needs a 'prompt' column" if i in missing else None
-        problem = problem or prompt_problem(row.get("prompt"), text)
+        problem = f"missing; a prompt-only dataset needs a {column!r} column" if i in missing else None
+        problem = problem or prompt_problem(row.get(column), text)
         if problem:
             file, j = where[i]
-            bad.append(f"  {'' if file == path else file + ', '}row {j}, field prompt: {problem}")
+            bad.append(f"  {'' if file == path else file + ', '}row {j}, field {column}: {problem}")
+        elif build:
+            turns = [{"role": "user", "content": row[column]}] if text else row[column]
+            row["prompt"] = ([{"role": "system", "content": system}] if system else []) + turns
     if bad:
         listing = "\n".join(bad[:10]) + ("\n  ..." if len(bad) > 10 else "")
         raise DataError(f"{path}: {len(bad)} of {len(rows)} rows of this prompt-only dataset are invalid:\n{listing}")

@@ -14,8 +14,7 @@ our steps is one generation batch:
 import math
 import os
 
-from prompt_data import DataError, read_rows
-from translate import SKIP, Ratio, RecipeError, accepted, key_table, refuse, rule_table, table
+from translate import SKIP, Ratio, accepted, key_table, refuse, rule_table, table
 
 # every field a rule reads: TRL 1.16.0's default and type (tests/test_recipes.py checks both against TRL's own);
 # ModelConfig's, ScriptArguments', open-r1's and the fields earlier versions had, marked
@@ -176,31 +175,6 @@ def val_path(name, train_split, test_split, strategy, old):
     return split_path(name, test_split)
 
 
-def open_r1_prompts(name, split, system, column):
-    """open-r1's script builds each row's prompt: [system_prompt, the row's dataset_prompt_column]. We read TRL's
-    prompt column as it stands, so the dataset must hold that prompt already: checked on its first row."""
-    if system is None and column == "prompt" or name is None:
-        return
-    key = "system_prompt" if system is not None else "dataset_prompt_column"
-    try:
-        row = read_rows(split_path(name, split))[0][0]
-    except (DataError, IndexError) as e:
-        raise RecipeError(key, f"{key}: cannot read the first row of {name} ({e})") from None
-    user = row.get(column) if column != "prompt" else None
-    want = ([{"role": "system", "content": system}] if system is not None else []) + (
-        [{"role": "user", "content": user}] if user is not None else []
-    )
-    prompt = row.get("prompt")
-    if not isinstance(prompt, list) or prompt[: len(want)] != want or (user is not None and len(prompt) != len(want)):
-        refuse(
-            key,
-            system if system is not None else column,
-            "open-r1's script builds each prompt from it, and we read the dataset's prompt column as it stands: "
-            f"write prompt = [{{system: system_prompt}}, {{user: the row's {column}}}] into {name} (its first row "
-            "has not), or drop this key",
-        )
-
-
 def compute_dtype(bf16, fp16, dtype, torch_dtype):
     dtype = torch_dtype or dtype
     if fp16 or dtype == "float16":
@@ -311,7 +285,8 @@ RULES = f"""
 model                | model_name_or_path                                   | the model directory or hub id
 train_data           | dataset_name dataset_train_split                     | a local file, or its directory's train split (SPLIT.jsonl, .json, .parquet or SPLIT/)
 val_data             | dataset_name dataset_train_split dataset_test_split eval_strategy evaluation_strategy | its test split when it evaluates; else the train split, never read
-(prompts)            | dataset_name dataset_train_split system_prompt dataset_prompt_column | open-r1's prompt: must be in the dataset's prompt column already (first row checked)
+prompt_column        | dataset_prompt_column                                | the same: the column whose text is the user's turn
+system_prompt        | system_prompt                                        | the same; null: none
 reward_fn            | reward_funcs                                         | dotted paths: module:function (a module file under the current directory: FILE.py:function); registry names refused
 reward_weights       | reward_weights reward_model_name_or_path             | the functions' weights
 reward_model         | reward_model_name_or_path                            | a local directory
@@ -371,15 +346,15 @@ lora_alpha           | use_peft lora_alpha                                  | wi
 lora_dropout         | use_peft lora_dropout                                | with use_peft
 lora_target_modules  | use_peft lora_target_modules                         | with use_peft (a list joined by commas); null refused: name them
 """
-NO_FILL = ("model", "train_data", "val_data", "(prompts)", "collective_timeout")
+NO_FILL = ("model", "train_data", "val_data", "collective_timeout")
 
 
 def rules(world=1, cuda=False):
     """The table for `world` ranks (torchrun's)."""
     convert = dict.fromkeys([name for name, _, _ in table(RULES)], same)
     convert.update(
-        {"(prompts)": open_r1_prompts},
         train_data=split_path,
+        system_prompt=lambda text: text or "",
         val_data=val_path,
         reward_fn=reward_specs,
         reward_weights=weights,

@@ -32,6 +32,7 @@ def refused(parse, argv, capsys):
 BAD = [
     # the hostile tester's cases (issue 12): silent wrong values ...
     (["--temperature", "0"], "--temperature must be > 0"),
+    (["--prompt-column", " "], "--prompt-column must be a column's name"),
     (["--allow-changed", "lr,learning_rate"], "--allow-changed learning_rate: no such flag"),
     (["--lr-schedule", "cosin"], "argument --lr-schedule: invalid choice: 'cosin'"),
     (["--max-steps", "0"], "--max-steps must be >= 1, or -1 to run all --epochs"),
@@ -246,6 +247,7 @@ FREE = {
     "reward",  # its rules are BAD's --no-reward cases
     "engine_shares_policy",  # its rule is BAD's --no-engine-shares-policy case
     "cuda_graphs",  # a no-op off CUDA, so a command runs unchanged on both
+    "system_prompt",  # any text; empty: none
 }
 
 

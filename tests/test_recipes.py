@@ -174,8 +174,9 @@ def test_verl_keys_in_a_yaml_file_nested_or_dotted(tmp_path):
 
 def open_r1_copy(tmp_path, model, **changes):
     """open-r1's config_demo.yaml with its model, dataset and reward functions pointed at local ones (and any
-    `changes`, field: YAML text), and a local dataset as open-r1's script makes it: GSM8K's first 24 questions as
-    `problem`, their answers as `solution`, prompt = [system_prompt, problem]."""
+    `changes`, field: YAML text), and a local dataset shaped as OpenR1-Math-220k: GSM8K's first 24 questions as
+    `problem`, their answers as `solution`, and no prompt column: the recipe's system_prompt and
+    dataset_prompt_column make each prompt, as open-r1's script does."""
     import yaml
 
     need(GSM8K_DIR)
@@ -187,8 +188,7 @@ def open_r1_copy(tmp_path, model, **changes):
         for line in list(f)[:24]:
             row = json.loads(line)
             problem, solution = row["question"], row["answer"].split("####")[-1].strip()
-            prompt = [{"role": "system", "content": system}, {"role": "user", "content": problem}]
-            out.write(json.dumps(dict(problem=problem, solution=solution, prompt=prompt)) + "\n")
+            out.write(json.dumps(dict(problem=problem, solution=solution)) + "\n")
     rewards = "\n".join(f"- tests.openr1_style_rewards.{f}_reward" for f in ("accuracy", "format", "tag_count"))
     text = text.replace("Qwen/Qwen2.5-1.5B-Instruct", model).replace("open-r1/OpenR1-Math-220k", str(data))
     text = text.replace("- accuracy\n- format\n- tag_count", rewards)
@@ -197,13 +197,13 @@ def open_r1_copy(tmp_path, model, **changes):
         start = text.index(f"\n{field}:") + 1
         text = text[:start] + f"{field}: {value}" + text[text.index("\n", start) :]
     (tmp_path / "config_demo.yaml").write_text(text)
-    return str(tmp_path / "config_demo.yaml"), data
+    return str(tmp_path / "config_demo.yaml"), data, system
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_open_r1s_config_demo_resolves_field_by_field(world, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    config, data = open_r1_copy(tmp_path, str(tmp_path))
+    config, data, system = open_r1_copy(tmp_path, str(tmp_path))
     args = cli.parse_args(["--config", config])
     rewards = ",".join(f"tests/openr1_style_rewards.py:{f}_reward" for f in ("accuracy", "format", "tag_count"))
     prompts = (
@@ -212,6 +212,8 @@ def test_open_r1s_config_demo_resolves_field_by_field(world, tmp_path, capsys, m
     expected = dict(
         model=str(tmp_path),
         train_data=str(data / "train.jsonl"),
+        prompt_column="problem",  # dataset_prompt_column: each prompt is [system_prompt, the row's problem]
+        system_prompt=system,
         val_data=str(data / "train.jsonl"),  # eval_strategy no: never read for validation
         reward_fn=rewards,
         reward_weights="1.0,1.0,1.0",
@@ -489,7 +491,7 @@ def test_open_r1s_config_demo_runs_two_steps(tmp_path, smollm2_model):
     out = str(tmp_path / "run")
     changes = dict(per_device_train_batch_size="4", gradient_accumulation_steps="1", num_generations="4")
     changes.update(max_steps="2", output_dir=out, report_to="[none]")
-    config, _ = open_r1_copy(tmp_path, smollm2_model, **changes)
+    config, _, _ = open_r1_copy(tmp_path, smollm2_model, **changes)
     run_script("--config", config)
     rows = metrics(out)
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]

@@ -156,3 +156,33 @@ def test_verl_columns_on_any_row_of_a_jsonl_make_it_verls(tmp_path, tokenizer):
     path = write(tmp_path, [TEXT[0]] * 5 + [verl], "jsonl")
     with pytest.raises(DataError, match=r"has verl's column\(s\) \['data_source', 'reward_model'\] \(first in row 5\)"):
         data_prep.load_prompts(path, tokenizer)
+
+
+@pytest.mark.parametrize("storage", ["jsonl", "parquet", "arrow"])
+def test_open_r1s_prompt_is_built_from_its_column_and_system_prompt(tmp_path, tokenizer, storage):
+    """--prompt-column and --system-prompt (open-r1's dataset_prompt_column and system_prompt): a dataset with no
+    prompt column, as OpenR1-Math-220k is, gets prompt = [system, user: the row's problem], rendered as chat; the
+    row keeps its columns for the rewards. Without the flags a parquet file of those columns is not TRL's."""
+    rows = [{"problem": r["prompt"], "solution": r["solution"]} for r in TEXT]
+    path = write(tmp_path, rows, storage)
+    system = "Think, then answer."
+    loaded, _ = data_prep.load_prompts(path, tokenizer, max_prompt_length=100, prompt_column="problem",
+                                       system_prompt=system)  # fmt: skip
+    want = [{"role": "system", "content": system}, {"role": "user", "content": "list 1 2 first"}]
+    assert loaded[0]["prompt"] == want and loaded[0]["problem"] == "list 1 2 first" and loaded[0]["solution"] == "1"
+    assert loaded[0]["prompt_ids"] == tokenizer.apply_chat_template(want, add_generation_prompt=True, return_dict=False)
+    one, _ = data_prep.load_prompts(path, tokenizer, max_prompt_length=100, prompt_column="problem")
+    assert one[1]["prompt"] == [{"role": "user", "content": "list 3 4 last"}]
+    for name in ("chat", "missing"):
+        os.makedirs(tmp_path / name)
+    sys_first, _ = data_prep.load_prompts(write(tmp_path / "chat", CHAT, storage), tokenizer, max_prompt_length=100,
+                                          system_prompt=system)  # fmt: skip
+    assert sys_first[0]["prompt"] == [{"role": "system", "content": system}] + CHAT[0]["prompt"]
+    with pytest.raises(DataError, match=r"row 1, field problem: missing; a prompt-only dataset needs a 'problem'"):
+        load_prompt_only(write(tmp_path / "missing", [rows[0], {"solution": "4"}], "jsonl"), "problem")
+
+
+def test_the_prompt_flags_are_refused_on_verls_data(tmp_path, tokenizer):
+    data_prep.write_digits(str(tmp_path), seed=0, quiet=True)
+    with pytest.raises(DataError, match="verl's schema; --prompt-column and --system-prompt are for TRL's"):
+        data_prep.load_prompts(str(tmp_path / "test.parquet"), tokenizer, system_prompt="Be brief.")
