@@ -24,7 +24,7 @@ from flag_rules import reward_specs, reward_weights
 from model_dir import check_context_length, check_model_path
 from multi_turn import start_tools
 from policy import compute_dtype
-from prompt_data import DataError
+from prompt_data import PROMPT_ONLY_SOURCE, DataError
 from reward import BUILTIN_SOURCES, compute_score, load_reward_fns
 from tasks.common import split_counts
 from trl_rewards import check_data
@@ -143,15 +143,16 @@ def first_of_each_source(rows, most):
     data_source's first rows, as many as its share of the rows (split_counts), in file order. The first `most`
     rows of a file written task by task would validate its first task alone, and no metric would say so. The
     sentence names any data_source too small for one row."""
-    sizes = collections.Counter(row["data_source"] for row in rows)  # in file order
+    sources = [row.get("data_source", PROMPT_ONLY_SOURCE) for row in rows]  # TRL's prompt-only rows name none
+    sizes = collections.Counter(sources)  # in file order
     counts = dict(zip(sizes, split_counts(most, list(sizes.values()))))
     if len(sizes) == 1:
         return rows[:most], None
     kept, left = [], dict(counts)
-    for row in rows:
-        if left[row["data_source"]]:
+    for row, source in zip(rows, sources):
+        if left[source]:
             kept.append(row)
-            left[row["data_source"]] -= 1
+            left[source] -= 1
     shares = ", ".join(f"{source} {n}" for source, n in counts.items() if n)
     said = f"{most} of {len(rows)} prompts, the first of each data_source in proportion: {shares}"
     dropped = [source for source, n in counts.items() if not n]

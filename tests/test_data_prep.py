@@ -218,6 +218,10 @@ def test_val_max_prompts_keeps_each_data_source_in_proportion_and_names_one_it_d
     capsys.readouterr()
     assert [r["extra_info"]["index"] for r in startup.load_data(args, tiny_tokenizer)[1]] == [0, 1, 2, 3]
     assert "--val-max-prompts" not in capsys.readouterr().out  # one data_source: its first rows, as before
+    trl = tmp_path / "trl.jsonl"  # TRL's prompt-only rows name no data_source: one source, its first rows
+    trl.write_text("".join(json.dumps({"prompt": f"list {i} first", "solution": str(i)}) + "\n" for i in range(4)))
+    args.val_data, args.val_max_prompts = str(trl), 2
+    assert [r["solution"] for r in startup.load_data(args, tiny_tokenizer)[1]] == ["0", "1"]
 
 
 def test_a_tokenizer_without_a_chat_template_is_named_before_the_data_is_read(tmp_path):
