@@ -118,8 +118,7 @@ def load_data(args, tokenizer, schemas=None):
         try:  # --no-reward: training rows need no ground truth (nor a built-in data_source)
             rows, dropped = data_prep.load_prompts(
                 path, tokenizer, known if truth else None, args.max_prompt_length, schemas, truth,
-                prompt_column=getattr(args, "prompt_column", "prompt"),
-                system_prompt=getattr(args, "system_prompt", ""),
+                prompt_column=args.prompt_column, system_prompt=args.system_prompt,
             )  # fmt: skip
         except (DataError, ChatTemplateError) as e:  # names the file (row and field): the message is the error
             raise SystemExit(str(e)) from None

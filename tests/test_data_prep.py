@@ -202,7 +202,14 @@ def test_val_max_prompts_keeps_each_data_source_in_proportion_and_names_one_it_d
     rows = [dict(GOOD, data_source=s, extra_info={"index": i}) for i, s in enumerate("aaaaaabbbc")]
     path = write_rows(tmp_path, rows)
     args = argparse.Namespace(  # what train_grpo.py passes (--reward-fn: any data_source)
-        reward_fn="f.py:f", train_data=path, val_data=path, max_prompt_length=64, val_max_prompts=5, prompt_batch_size=1
+        reward_fn="f.py:f",
+        train_data=path,
+        val_data=path,
+        max_prompt_length=64,
+        val_max_prompts=5,
+        prompt_batch_size=1,
+        prompt_column="prompt",
+        system_prompt="",
     )
     train, val = startup.load_data(args, tiny_tokenizer)
     assert len(train) == 10 and [(r["data_source"], r["extra_info"]["index"]) for r in val] == [
@@ -343,7 +350,14 @@ def test_a_looping_template_in_tokenizer_config_json_is_named_there_and_ends_the
     model = looping_model(tmp_path / "model", in_config=True)
     test = str(tmp_path / "data" / "test.parquet")
     args = argparse.Namespace(  # what train_grpo.py passes: its data, as the trainer loads it
-        reward_fn="", train_data=test, val_data=test, max_prompt_length=64, val_max_prompts=-1, prompt_batch_size=1
+        reward_fn="",
+        train_data=test,
+        val_data=test,
+        max_prompt_length=64,
+        val_max_prompts=-1,
+        prompt_batch_size=1,
+        prompt_column="prompt",
+        system_prompt="",
     )
     with pytest.raises(SystemExit) as end:
         startup.load_data(args, AutoTokenizer.from_pretrained(model))
