@@ -49,7 +49,7 @@ def main(argv=None):
     reward_fn = startup.reward_fn(args, train_rows, val_rows)  # the digits task's built-in reward
     engine = start_engine(args, world, 1, device, torch.float32)  # transformers' sampling loop, in this process
     policy = load_model(args.model, torch.float32, device)  # what we train; the engine samples from it (share)
-    reference = load_model(args.model, torch.float32, device).eval().requires_grad_(False)  # frozen, for the KL
+    reference = load_model(args.model, torch.float32, device).eval().requires_grad_(False) if args.kl_coef > 0 else None
     engine.share(policy)
     optimizer, scheduler = make_optimizer(list(policy.parameters()), args, total_steps, device)
     n, step = args.group_size, 1
@@ -89,14 +89,18 @@ def main(argv=None):
     passes = dict(micro=args.micro_batch_size, max_tokens=args.micro_batch_tokens, temperature=args.temperature)
     on_policy = args.ppo_epochs == 1 and args.mini_batch_size == args.prompt_batch_size
     batch["old_logp"] = None if on_policy else compute_logprobs(policy, batch, device=device, **passes)
-    batch["ref_logp"] = compute_logprobs(reference, batch, device=device, **passes)
+    batch["ref_logp"] = compute_logprobs(reference, batch, device=device, **passes) if reference else None  # frozen
     show("policy.py:make_batch, policy.py:response_logprobs", "the batch: prompts left-padded, responses right-padded")
     print(
         f"  input_ids {list(batch['input_ids'].shape)} = [samples, prompt width {batch['prompt_width']} + "
         f"response width {mask.shape[1]}];  response_mask, advantages, old_logp, ref_logp {list(mask.shape)}"
     )
-    print(f"  sample 0: response ids {batch['responses'][0].tolist()}, mask {mask[0].tolist()}, "
-          f"old_logp {[round(x, 3) for x in batch['old_logp'][0].tolist()]}")  # fmt: skip
+    old0 = (
+        "none: on-policy, the update's own, detached"
+        if on_policy
+        else [round(x, 3) for x in batch["old_logp"][0].tolist()]
+    )
+    print(f"  sample 0: response ids {batch['responses'][0].tolist()}, mask {mask[0].tolist()}, old_logp {old0}")
 
     # ---- 4. the update: ppo_epochs x mini-batches x micro-batches, one AdamW step per mini-batch
     before = [p.detach().clone() for p in policy.parameters()]
@@ -113,9 +117,9 @@ def main(argv=None):
             loss, terms, old = micro_batch_loss(logp, entropy, mb, args=args, whole=whole, world=world)
             loss.backward()
             stats.append(terms)
-            last = m0 + mini >= mask.shape[0] and mb_rows[-1] == rows[-1]
-            if m0 and not shown and ((mb["advantages"] != 0).any() or last):  # after a step: ratios are not 1
-                shown = one_sample(mb, logp.detach(), old, terms, args)
+            last_mini = m0 + mini >= mask.shape[0]  # after the first step its ratios are not 1
+            if last_mini and not shown and ((mb["advantages"] != 0).any() or mb_rows[-1] == rows[-1]):
+                shown = one_sample(mb, logp.detach(), old, terms, args, m0 // mini)
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).item()
         after = torch.nn.utils.get_total_norm([p.grad for p in policy.parameters()]).item()
         stepped = guarded_step(optimizer, norm, step=step, offload=args.offload, device=device)
@@ -138,17 +142,18 @@ def main(argv=None):
     return record
 
 
-def one_sample(mb, logp, old, terms, args):
+def one_sample(mb, logp, old, terms, args, mini_batch):
     """For the micro-batch's sample of largest |advantage|: each token's ratio, clipped
     surrogate and KL; then the micro-batch's loss terms."""
     i = int(mb["advantages"].abs().amax(-1).argmax())  # the largest |A|
     on = mb["response_mask"][i].bool()
-    adv, ref = mb["advantages"][i][on], mb["ref_logp"][i][on]
+    adv = mb["advantages"][i][on]
     token_loss, per_token = clipped_surrogate(logp[i][on], old[i][on], adv, args.clip_low, args.clip_high, args.clip_c)
+    ref = mb["ref_logp"][i][on] if mb.get("ref_logp") is not None else logp[i][on]  # --kl-coef 0: no reference
     kl = kl_penalty(logp[i][on], ref, args.kl_kind)
     show(
         "loss.py:clipped_surrogate, loss.py:kl_penalty",
-        f"one sample of mini-batch 1, token by token (A = {adv[0]:.3f})",
+        f"one sample of mini-batch {mini_batch}, token by token (A = {adv[0]:.3f})",
     )
     print(f"  token  log pi   log pi_old  ratio   clipped   surrogate  KL ({args.kl_kind})")
     for t, tok in enumerate(mb["responses"][i][on].tolist()):
